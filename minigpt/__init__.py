@@ -1,0 +1,1 @@
+"""minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
