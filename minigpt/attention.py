@@ -1,0 +1,107 @@
+"""Attention over the paged KV pool: what one engine step needs besides the weights.
+
+A step is a flat batch of tokens: first the prompt chunks being prefilled (one segment per
+sequence), then one token per decoding sequence. `StepMetadata` says where each token's K/V
+goes (slot mapping) and which pages each query reads. Prefill runs through SDPA with a mask
+built from positions (never `is_causal` when keys outnumber queries: SDPA aligns that mask
+top-left, which is wrong after a cached prefix). Decode runs through a backend: the torch
+reference or the Triton kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minigpt.kernels import reference
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's prompt chunk in a step: tokens [start, start + length) of the flat batch."""
+
+    start: int
+    length: int
+    context_len: int  # tokens of this sequence in the cache after this step (cached prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks] int64: the sequence's pages covering context_len
+
+
+@dataclass
+class StepMetadata:
+    """Everything attention needs for one step, built once per step by the engine."""
+
+    slot_mapping: torch.Tensor  # [N] int64: where each token's K/V is written
+    prefills: list[PrefillSegment]
+    num_prefill_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [B_decode] int32
+
+
+class TorchBackend:
+    """Decode attention through the PyTorch reference: runs anywhere, never imports Triton."""
+
+    name = "torch"
+    store_kv = staticmethod(reference.store_kv)
+    decode = staticmethod(reference.paged_decode_attention)
+
+
+class TritonBackend:
+    """Decode attention and KV stores through the Triton kernels (CUDA only)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from minigpt.kernels import kv_store, paged_attention
+
+        self.store_kv = kv_store.store_kv
+        self.decode = paged_attention.paged_decode_attention
+
+
+def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:
+    """`auto` takes Triton on CUDA when it imports, the torch reference elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchBackend()
+    try:
+        return TritonBackend()
+    except ImportError as err:
+        if name == "auto":
+            return TorchBackend()
+        raise ValueError(f"attention_backend='triton' is unavailable: {err} (pip install 'minigpt[triton]')") from None
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    segment: PrefillSegment,
+    scale: float,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Causal attention of one prompt chunk. q/k/v: [T, H, D] for the chunk -> [T, H, D].
+
+    Without a cached prefix the chunk attends to itself (plain causal). With one (chunked
+    prefill, prefix-cache hit) keys come from the pages and the mask from positions.
+    `upcast` (GPT-2's reorder_and_upcast_attn) computes scores and softmax in fp32.
+    """
+    length, context_len = segment.length, segment.context_len
+    mask = None
+    if context_len != length:
+        num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len]
+        v = v_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len]
+        q_pos = torch.arange(context_len - length, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (T, context_len)
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=scale
+    )
+    return out.transpose(0, 1)  # (T, H, D)

@@ -1,0 +1,100 @@
+"""Write GPT-2 checkpoints with random weights, in the layouts real checkpoints use.
+
+This is how minigpt runs with no network: speed does not depend on weight values, and
+correctness is shown against transformers on the same files. The files are what the hub
+serves: config.json, model.safetensors (HF Conv1D layout, [in, out]), vocab.json, merges.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from minigpt.config import GPT2Config
+from minigpt.model import GPT2
+from minigpt.weights import CONV1D_WEIGHTS
+
+# n_layer, n_head, n_embd of the published GPT-2 family.
+PRESETS = {
+    "distilgpt2": (6, 12, 768),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+LAYOUTS = ("hf", "openai")
+
+
+def preset_config(name: str, **overrides) -> GPT2Config:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    n_layer, n_head, n_embd = PRESETS[name]
+    return GPT2Config(**{"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, **overrides})
+
+
+def random_model(config: GPT2Config, seed: int = 0) -> GPT2:
+    """GPT-2 initialised as transformers does: N(0, 0.02), residual projections scaled by
+    1/sqrt(2 n_layer), zero biases, unit layernorms."""
+    torch.manual_seed(seed)
+    model = GPT2(config)
+    std = 0.02
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(param)
+        elif ".ln_" in name or name.startswith("ln_f"):
+            torch.nn.init.ones_(param)
+        elif name.endswith("c_proj.weight"):
+            torch.nn.init.normal_(param, std=std / (2 * config.n_layer) ** 0.5)
+        else:
+            torch.nn.init.normal_(param, std=std)
+    return model.eval()
+
+
+def hf_state_dict(model: GPT2, layout: str = "hf") -> dict[str, torch.Tensor]:
+    """The model's weights under the checkpoint's key names, Conv1D weights back as [in, out].
+
+    `hf`: transformers' save_pretrained (`transformer.` prefix). `openai`: the original
+    openai-community/gpt2 file (no prefix, with the attention mask buffers it carries)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    prefix = "transformer." if layout == "hf" else ""
+    config = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        tensor = param.detach()
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        key = name if name == "lm_head.weight" else prefix + name
+        out[key] = tensor.contiguous()
+    if layout == "openai":
+        n = config.n_positions
+        causal = torch.ones(n, n, dtype=torch.float32).tril().view(1, 1, n, n)
+        for layer in range(config.n_layer):
+            out[f"h.{layer}.attn.bias"] = causal.clone()  # safetensors refuses shared storage
+            out[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def write_checkpoint(
+    model: GPT2,
+    path: str | Path,
+    vocab_files: tuple[Path, Path],
+    layout: str = "hf",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Save `model` as a Hugging Face GPT-2 checkpoint directory that transformers loads too."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in hf_state_dict(model, layout).items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    vocab, merges = vocab_files
+    shutil.copyfile(vocab, path / "vocab.json")
+    shutil.copyfile(merges, path / "merges.txt")
+    return path

@@ -1,0 +1,218 @@
+"""GPT-2, written by hand: embeddings -> n_layer x (attention, MLP) -> layernorm -> tied head.
+
+Parameter names line up with Hugging Face's (`wte`, `h.0.attn.c_attn`, ...) so loading is a
+loop. Linear weights are stored [out, in] (HF's Conv1D stores [in, out]; the loader transposes
+once). Two forwards share every layer:
+
+- `model(input_ids, attention_mask=None)`: the plain causal forward of the public contract;
+  left-padded batches get positions from the mask, as `generate` does.
+- `model.forward_step(...)`: the engine's flat batch over the paged KV pool.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigpt.attention import StepMetadata, TorchBackend, TritonBackend, prefill_attention
+from minigpt.config import GPT2Config
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _gelu_accurate(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+# Same formulas as transformers' ACT2FN, so fp32 logits agree to rounding.
+ACTIVATIONS = {
+    "gelu_new": _gelu_new,
+    "gelu": F.gelu,
+    "gelu_python": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_python_tanh": _gelu_new,
+    "gelu_fast": _gelu_fast,
+    "gelu_accurate": _gelu_accurate,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),
+    "relu6": F.relu6,
+    "silu": F.silu,
+    "swish": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "linear": lambda x: x,
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.scale = config.attention_scale(layer_idx)
+        self.upcast = config.reorder_and_upcast_attn
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Dense path. x: (B, T, C); mask: (B, 1, T, T) bool or None for plain causal."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
+        dtype = q.dtype
+        if self.upcast:
+            q, k, v = q.float(), k.float(), v.float()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        y = y.to(dtype).transpose(1, 2).reshape(B, T, C)
+        return self.c_proj(y)
+
+    def forward_step(
+        self,
+        x: torch.Tensor,
+        kv: torch.Tensor,
+        meta: StepMetadata,
+        backend: TorchBackend | TritonBackend,
+    ) -> torch.Tensor:
+        """Paged path. x: (N, C) flat tokens; kv: this layer's pages (2, blocks, block_size, nh, hs)."""
+        N, C = x.shape
+        q, k, v = self.c_attn(x).view(N, 3, self.n_head, self.head_dim).unbind(1)  # each (N, nh, hs)
+        k_cache, v_cache = kv[0], kv[1]
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = []
+        for seg in meta.prefills:
+            rows = slice(seg.start, seg.start + seg.length)
+            parts.append(prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, self.scale, self.upcast))
+        if meta.decode_block_tables is not None:
+            # The decode backends accumulate in fp32 whatever the dtype: upcasting is built in.
+            parts.append(
+                backend.decode(
+                    q[meta.num_prefill_tokens :], k_cache, v_cache, meta.decode_block_tables,
+                    meta.decode_context_lens, self.scale,
+                )
+            )
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.c_proj(y.to(x.dtype).reshape(N, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
+        self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
+        self.act = ACTIVATIONS[config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_step(self, x, kv, meta, backend) -> torch.Tensor:
+        x = x + self.attn.forward_step(self.ln_1(x), kv, meta, backend)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model (GPT2LMHeadModel's math), inference only: no dropout anywhere."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> GPT2:
+        """Load a Hugging Face GPT-2 checkpoint (hub id or local directory), in eval mode."""
+        from minigpt.weights import load_model
+
+        return load_model(name_or_path, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab) logits; plain causal forward, no cache.
+
+        With an `attention_mask` (1 = token, 0 = padding) padded rows get positions counted
+        from their first real token, so a left-padded row gets the logits it gets alone.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                )
+            keep = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            # A padding query may see only itself: a row with no key at all would give NaN.
+            eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            mask = ((causal & keep[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
+            if position_ids is None:
+                position_ids = (keep.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        self._check_ranges(input_ids, position_ids)
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        for block in self.h:
+            x = block(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: StepMetadata,
+        backend: TorchBackend | TritonBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
+        at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
+        (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place."""
+        x = self.wte(input_ids) + self.wpe(positions)
+        for layer, block in enumerate(self.h):
+            x = block.forward_step(x, kv_pool[layer], meta, backend)
+        return self.lm_head(self.ln_f(x[logits_indices]))
+
+    def _check_ranges(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}) (the model's vocab_size)")
+        if position_ids.numel() and int(position_ids.max()) >= self.config.n_positions:
+            raise ValueError(
+                f"sequence of {int(position_ids.max()) + 1} positions exceeds n_positions={self.config.n_positions}"
+            )

@@ -1,0 +1,208 @@
+"""Find a GPT-2 checkpoint (hub id or local directory) and load its weights into `GPT2`.
+
+Real checkpoints come in several shapes: transformers' `save_pretrained` (keys prefixed
+`transformer.`, maybe sharded), the original `openai-community/gpt2` file (no prefix, extra
+attention buffers, no `lm_head`), and older `pytorch_model.bin` files. All load here, with HF's
+Conv1D weights ([in, out]) transposed once to Linear's [out, in]. The model is built on the
+`meta` device and each tensor is moved straight to its dtype/device, so no second full copy of
+the weights is ever held. No pickle code runs: `.bin` files go through `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from minigpt.config import GPT2Config
+from minigpt.model import GPT2
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+HUB_FILES = ["config.json", "vocab.json", "merges.txt", "tokenizer.json", "*.safetensors", "*.safetensors.index.json"]
+HUB_FALLBACK_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: missing, corrupt or not matching its config."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16") from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available here; use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device.type!r}; use 'cpu' or 'cuda'")
+    return device
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A local checkpoint directory for `name_or_path`, downloading from the hub if needed.
+
+    A path that exists is used as is. Anything else that looks like a hub id ("gpt2",
+    "openai-community/gpt2-medium") goes through `huggingface_hub.snapshot_download`, fetching
+    only config, weights and tokenizer files; it honours HF_HUB_OFFLINE and the local cache.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"{path} is a file; pass the checkpoint directory that holds config.json")
+    text = str(name_or_path)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or not text:
+        raise FileNotFoundError(f"no checkpoint directory at {text!r}")
+    return _download(text)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        if not _weight_files_present(path):
+            path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES + HUB_FALLBACK_FILES))
+    except (RepositoryNotFoundError, HFValidationError):
+        raise FileNotFoundError(
+            f"{repo_id!r} is neither a local directory nor a model on the Hugging Face hub"
+        ) from None
+    except Exception as err:  # network down, offline mode without a cached copy, ...
+        raise FileNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}). With no network, "
+            "pass a local checkpoint directory instead (python scripts/make_checkpoint.py writes one)"
+        ) from None
+    return path
+
+
+def _weight_files_present(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The files holding the weights, in the order the loader prefers: safetensors first."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
+                raise CheckpointError(f"{index} is not a valid shard index: {err}") from None
+            shards = [path / name for name in sorted(set(weight_map.values()))]
+            missing = [str(s) for s in shards if not s.exists()]
+            if missing:
+                raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+            return shards
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).exists():
+            return [path / name]
+    raise FileNotFoundError(
+        f"no weights in {path}: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )
+
+
+def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one weights file, one tensor in memory at a time for safetensors."""
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except Exception as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
+        return
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) format cannot be mmap'd
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} does not hold a state dict")
+    yield from state.items()
+
+
+def _model_key(name: str) -> str | None:
+    """The GPT2 parameter a checkpoint key maps to, or None for keys to skip."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    return name.removeprefix("transformer.")
+
+
+def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a meta-device `model` from the weight files in `path`, strictly: every parameter
+    present with its shape, no key left over."""
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
+    tied = model.config.tie_word_embeddings
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in _weight_files(path):
+        for name, tensor in _read_tensors(file):
+            key = _model_key(name)
+            if key is None or (tied and key == "lm_head.weight"):
+                continue
+            if key not in expected:
+                unexpected.append(name)
+                continue
+            if key.endswith(CONV1D_WEIGHTS):
+                tensor = tensor.t()
+            if tensor.shape != expected[key]:
+                raise CheckpointError(
+                    f"{file.name}: {name} has shape {tuple(tensor.shape)}, the config expects {tuple(expected[key])}"
+                    + (" (after transposing Conv1D)" if key.endswith(CONV1D_WEIGHTS) else "")
+                )
+            state[key] = tensor.to(device=device, dtype=dtype).contiguous()
+            del tensor
+    if unexpected:
+        raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected)[:10])}")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"missing keys in {path}: {', '.join(missing[:10])}")
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.lm_head.weight = model.wte.weight
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> GPT2:
+    """Build GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = resolve_checkpoint(name_or_path)
+    config = GPT2Config.from_json_file(path / "config.json")
+    with torch.device("meta"):
+        model = GPT2(config)
+    load_state_into(model, path, torch_dtype, torch_device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,90 @@
+"""Shared fixtures: small GPT-2 checkpoints with random weights, written by transformers itself.
+
+Each checkpoint directory is what the hub would serve (config.json, model.safetensors,
+vocab.json, merges.txt), so minigpt is tested on files it did not write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from minigpt.tokenizer import gpt2_vocab_files
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(n_layer=2, n_head=4, n_embd=64, n_positions=128)
+
+
+def write_hf_checkpoint(path: Path, layout: str = "hf", seed: int = 0, **config_kwargs) -> Path:
+    """A transformers GPT2LMHeadModel with random weights saved as a checkpoint directory.
+
+    `layout="openai"` rewrites the weights as the original openai-community/gpt2 file: no
+    `transformer.` prefix, no lm_head, with the attention buffers it carries."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kwargs = {**TINY, "initializer_range": 0.1, **config_kwargs}
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**kwargs)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    if layout == "openai":
+        n = model.config.n_positions
+        state = {
+            k.removeprefix("transformer."): v.contiguous()
+            for k, v in model.state_dict().items()
+            if k != "lm_head.weight" or not model.config.tie_word_embeddings
+        }
+        for i in range(model.config.n_layer):
+            state[f"h.{i}.attn.bias"] = torch.ones(n, n).tril().view(1, 1, n, n)
+            state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((path / "config.json").read_text())
+        config["n_ctx"] = config["n_positions"]
+        defaults = {
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+        }
+        for key, default in defaults.items():  # old hub configs predate these keys
+            if config.get(key) == default:
+                config.pop(key)
+        (path / "config.json").write_text(json.dumps(config))
+    vocab, merges = gpt2_vocab_files()
+    shutil.copyfile(vocab, path / "vocab.json")
+    shutil.copyfile(merges, path / "merges.txt")
+    return path
+
+
+def hf_model(path: Path):
+    """transformers' reference model on the same files, eager attention (where
+    reorder_and_upcast_attn acts), fp32, eval."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """Build (and cache for the session) a checkpoint for given config overrides."""
+    cache: dict[str, Path] = {}
+
+    def make(layout: str = "hf", seed: int = 0, **config_kwargs) -> Path:
+        key = json.dumps([layout, seed, config_kwargs], sort_keys=True)
+        if key not in cache:
+            cache[key] = write_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), layout, seed, **config_kwargs)
+        return cache[key]
+
+    return make
