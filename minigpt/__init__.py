@@ -1,1 +1,7 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
+
+from minigpt.engine import LLM, CompletionOutput, RequestOutput
+from minigpt.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,122 @@
+"""`python -m minigpt.generate`: complete prompts from the command line.
+
+    python -m minigpt.generate --model gpt2 --prompt "Hello" --max-new-tokens 64
+    python -m minigpt.generate --model ./ckpt --prompts-file prompts.txt --json
+
+One prompt streams its text to stdout as it is generated. `--prompts-file` (one prompt per
+line, `-` for stdin) runs all prompts continuously batched and prints each completion, or one
+JSON object per line with `--json`. Bad input ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from minigpt.engine import LLM, RequestOutput
+from minigpt.engine_config import EngineConfig
+from minigpt.sampling import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minigpt.generate", description="Generate text with GPT-2.")
+    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompts-file", help="a file with one prompt per line ('-' reads stdin)")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_tokens)
+    sampling.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0 = greedy")
+    sampling.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 = off")
+    sampling.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    sampling.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    sampling.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
+    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
+    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
+    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
+    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument("--quiet", action="store_true", help="no engine report or progress on stderr")
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        return [args.prompt if args.prompt is not None else "Hello, my name is"]
+    if args.prompts_file == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+        except OSError as err:
+            raise ValueError(f"cannot read --prompts-file: {err.strerror}: {args.prompts_file}") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts in {args.prompts_file}")
+    return prompts
+
+
+def as_json(out: RequestOutput) -> str:
+    return json.dumps({
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "token_ids": out.token_ids,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "time_to_first_token_s": round(out.metrics.time_to_first_token, 6),
+        "time_per_output_token_s": round(out.metrics.time_per_output_token, 6),
+    }, ensure_ascii=False)
+
+
+def run(args: argparse.Namespace) -> None:
+    prompts = read_prompts(args)
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    with LLM(
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
+        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend, num_threads=args.threads,
+    ) as llm:
+        if len(prompts) == 1 and not args.json:
+            sys.stdout.write(prompts[0])
+            for delta in llm.stream(prompts[0], params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return
+        outs = llm.generate(prompts, params, progress=False if args.quiet else None)
+        for out in outs:
+            print(as_json(out) if args.json else out.prompt + out.text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="[minigpt] %(message)s", stream=sys.stderr)
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"minigpt.generate: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

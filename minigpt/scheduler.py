@@ -1,0 +1,102 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every sequence is handled the same way: it has tokens whose K/V are not in the pool yet (a
+prompt, a prompt chunk, a recomputation after preemption, or the one token sampled last step)
+and the step computes some of them. Running sequences go first, oldest first; then waiting
+ones are admitted while `max_num_seqs`, the token budget and free blocks allow. When blocks run
+out, the newest running sequence is preempted: its pages are freed and it waits to be
+recomputed, so the pool running dry delays requests instead of failing them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minigpt.kv_cache import BlockManager
+from minigpt.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: (sequence, number of tokens to compute) in batch order."""
+
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or no budget left this step
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + chunk, batch):
+                continue  # seq preempted itself
+            batch.chunks.append((seq, chunk))
+            budget -= chunk
+        if not batch.preempted:
+            self._admit(batch, budget)
+        batch.num_tokens = sum(chunk for _, chunk in batch.chunks)
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Grow seq's pages to `num_tokens`, preempting newer sequences while blocks are short."""
+        need = self.blocks.blocks_needed(num_tokens) - len(seq.block_table)
+        while not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, num_tokens)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            use_cache = seq.params.prompt_logprobs is None  # scoring needs every prompt position computed
+            cached = self.blocks.match_prefix(seq.token_ids) if use_cache else []
+            num_cached = len(cached) * self.blocks.block_size
+            chunk = min(len(seq.token_ids) - num_cached, budget)
+            revived = sum(1 for block in cached if self.blocks.ref_counts[block] == 0)
+            fresh = self.blocks.blocks_needed(num_cached + chunk) - len(cached)
+            if not self.blocks.can_allocate(fresh + revived):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq.block_table, cached, num_cached + chunk)
+            seq.num_computed_tokens = num_cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.chunks.append((seq, chunk))
+            budget -= chunk
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.blocks.free_blocks(seq.block_table)
+        seq.preempt()
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted, or failed) sequence out and return its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_blocks(seq.block_table)

@@ -1,0 +1,148 @@
+"""One request in flight: its tokens, its pages, its text so far and why it stopped.
+
+A `Sequence` owns its block table and knows how many of its tokens already have K/V in the
+pool (`num_computed_tokens`); the scheduler only moves that counter forward (or back to zero
+on preemption). Text is decoded incrementally as tokens arrive, stop strings are searched
+across token boundaries, and the returned text ends before the stop string, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    """Tokens, pages and text of one completion."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        tokenizer: Tokenizer,
+        eos_token_id: int | None,
+        max_model_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)  # prompt + output: what the pages hold
+        self.params, self.seed = params, seed
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.timings = Timings()
+        # pages
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.last_block_hash = 0
+        self.num_preemptions = 0
+        # output
+        self.text = ""
+        self.num_streamed_chars = 0
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._stop_ids = set(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            self._stop_ids.add(eos_token_id)
+        self._max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a sampled token and decide whether the sequence is done."""
+        now = time.perf_counter()
+        if self.timings.first_token is None:
+            self.timings.first_token = now
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        if token_id in self._stop_ids and len(self.output_token_ids) > self.params.min_tokens:
+            self._finish("stop", self._decoder.flush())
+            return
+        self._extend_text(self._decoder.feed(token_id))
+        if self.finished:
+            return
+        if len(self.token_ids) >= self._max_len:
+            self._finish("length", self._decoder.flush())
+
+    def _extend_text(self, delta: str) -> None:
+        if not delta:
+            return
+        searched_from = len(self.text)
+        self.text += delta
+        for stop in self.params.stop:
+            index = self.text.find(stop, max(0, searched_from - len(stop) + 1))
+            if index != -1 and len(self.output_token_ids) > self.params.min_tokens:
+                self.text = self.text[:index]
+                self._finish("stop", "")
+                return
+
+    def _finish(self, reason: str, tail: str) -> None:
+        self.text += tail
+        self.finish_reason = reason
+        self.status = Status.FINISHED
+        self.timings.finished = time.perf_counter()
+
+    def fail(self, message: str) -> None:
+        """End the sequence with an error (the engine frees its pages)."""
+        self.error = message
+        self._finish("error", "")
+
+    def abort(self) -> None:
+        self._finish("abort", "")
+
+    def take_text_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that may still become a stop string."""
+        end = len(self.text)
+        if not self.finished:
+            end -= _stop_prefix_overlap(self.text, self.params.stop)
+        delta = self.text[self.num_streamed_chars : end]
+        self.num_streamed_chars = max(self.num_streamed_chars, end)
+        return delta
+
+    def preempt(self) -> None:
+        """Drop the pages (the block manager already took them back); recompute later."""
+        self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
+        self.status = Status.WAITING
+        self.num_preemptions += 1
+
+
+def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

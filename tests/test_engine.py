@@ -1,0 +1,217 @@
+"""The paged engine: continuous batching, preemption, chunked prefill and prefix caching must
+give exactly what transformers' greedy `generate` gives for each request alone (fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_model
+
+from minigpt import LLM, SamplingParams
+
+
+def _prompts(lengths: list[int], vocab: int = 50257, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def _hf_greedy(ref, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _assert_all_free(llm: LLM) -> None:
+    info = llm.kv_cache_info
+    assert info["blocks_in_use"] == 0, info
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return hf_model(tiny_checkpoint)
+
+
+# Lengths around the 16-token block: exactly on a boundary, one past it, one short; and long ones.
+LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 60, 100]
+MAX_TOKENS = [12, 5, 20, 1, 16, 9, 24, 3, 28, 28]
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    prompts = _prompts(LENGTHS)
+    return prompts, [_hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+
+
+def _run(llm: LLM, prompts) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate(prompts, params)
+    assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+    assert [len(o.token_ids) for o in outs] == MAX_TOKENS
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"block_size": 8},
+        {"block_size": 32, "enable_prefix_caching": False},
+        {"max_num_batched_tokens": 24},  # long prompts prefilled in chunks, mixed with decodes
+        {"max_num_seqs": 3},
+        {"kv_cache_tokens": 160},  # far too small for all at once: preemption and recompute
+    ],
+    ids=["default", "block8", "block32-nocache", "chunked", "few-seqs", "tiny-pool"],
+)
+def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_args):
+    prompts, want = expected
+    with LLM(str(tiny_checkpoint), **engine_args) as llm:
+        assert _run(llm, prompts) == want
+        _assert_all_free(llm)
+
+
+def test_tiny_pool_really_preempts(tiny_checkpoint, expected):
+    prompts, want = expected
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=160) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        assert [o.token_ids for o in outs] == want
+
+
+def test_each_request_alone_equals_batched(tiny_checkpoint, expected):
+    prompts, want = expected
+    with LLM(str(tiny_checkpoint)) as llm:
+        for prompt, m, tokens in zip(prompts, MAX_TOKENS, want, strict=True):
+            assert llm.generate([prompt], SamplingParams(max_tokens=m, ignore_eos=True))[0].token_ids == tokens
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference):
+    shared = _prompts([40], seed=7)[0]
+    prompts = [shared + tail for tail in _prompts([3, 9, 17], seed=8)] + [shared]
+    want = [_hf_greedy(reference, p, 10) for p in prompts]
+    with LLM(str(tiny_checkpoint)) as llm:
+        first = llm.generate(prompts[:1], SamplingParams(max_tokens=10, ignore_eos=True))
+        rest = llm.generate(prompts[1:], SamplingParams(max_tokens=10, ignore_eos=True))
+        assert llm.engine.blocks.num_hit_blocks >= 3 * 2  # 40 shared tokens = 2 full blocks of 16
+        assert [o.token_ids for o in first + rest] == want
+        _assert_all_free(llm)
+
+
+def test_prompt_at_full_context(tiny_checkpoint, reference):
+    n_positions = 128
+    prompt = _prompts([n_positions - 8], seed=3)[0]
+    with LLM(str(tiny_checkpoint)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == _hf_greedy(reference, prompt, 8)
+
+
+def test_text_prompts_and_token_prompts_agree(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint)) as llm:
+        text = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        ids = llm.generate([llm.tokenizer.encode("Hello, my name is")], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert text.prompt_token_ids == ids[0].prompt_token_ids
+    assert text.token_ids == ids[0].token_ids
+    assert text.text == llm.tokenizer.decode(text.token_ids)
+
+
+def test_outputs_in_input_order_with_timings(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint)) as llm:
+        prompts = _prompts([30, 1, 12])
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 9, 5)])
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.token_ids) for o in outs] == [2, 9, 5]
+    for o in outs:
+        assert o.metrics.time_to_first_token > 0 and o.metrics.time_per_output_token >= 0
+
+
+def test_pool_is_allocated_once(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=512) as llm:
+        pool = llm.engine.pool.kv
+        ptr, shape = pool.data_ptr(), pool.shape
+        for seed in range(3):
+            llm.generate(_prompts([5, 40, 70], seed=seed), SamplingParams(max_tokens=20, ignore_eos=True))
+        assert llm.engine.pool.kv.data_ptr() == ptr and llm.engine.pool.kv.shape == shape
+        assert llm.kv_cache_info["num_tokens"] == 512
+        _assert_all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ([50257], SamplingParams(), "outside the vocabulary"),
+        ([-1], SamplingParams(), "outside the vocabulary"),
+        ("hi", SamplingParams(max_tokens=200), "exceeds the model's context"),
+    ],
+)
+def test_bad_requests_are_refused_clearly(tiny_checkpoint, prompt, params, match):
+    with LLM(str(tiny_checkpoint)) as llm:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], params)
+        _assert_all_free(llm)
+        assert llm.generate(["still works"], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_pool_too_small_for_one_request(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=32) as llm:
+        with pytest.raises(ValueError, match="kv_cache_tokens"):
+            llm.generate([[1] * 30], SamplingParams(max_tokens=10))
+
+
+def test_stop_token_and_eos(tiny_checkpoint, reference):
+    prompt = _prompts([10], seed=11)[0]
+    tokens = _hf_greedy(reference, prompt, 12)
+    with LLM(str(tiny_checkpoint)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[tokens[4]]))[0]
+        assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[4]) + 1]
+        _assert_all_free(llm)
+
+
+def test_stop_string_truncates_text(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint)) as llm:
+        full = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+        stop = full.text[5:9]
+        assert stop.strip()
+        out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+        assert out.finish_reason == "stop"
+        assert out.text == full.text[: full.text.index(stop)]
+        assert stop not in out.text
+
+
+def test_stream_deltas_join_to_generate_text(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint)) as llm:
+        params = SamplingParams(max_tokens=25, ignore_eos=True)
+        full = llm.generate(["日本語のテキスト 🎉"], params)[0].text
+        deltas = list(llm.stream("日本語のテキスト 🎉", params))
+        assert "".join(deltas) == full
+        assert all("\ufffd" not in d for d in deltas) or "\ufffd" in full
+        _assert_all_free(llm)
+
+
+def test_big_vocab_never_samples_past_the_tokenizer(checkpoint_factory):
+    path = checkpoint_factory(vocab_size=50304)
+    with LLM(str(path)) as llm:
+        assert llm.engine.sampler.vocab_limit == 50257
+        out = llm.generate(["abc"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        assert max(out.token_ids) < 50257
+
+
+def test_close_and_context_manager(tiny_checkpoint):
+    a = LLM(str(tiny_checkpoint), kv_cache_tokens=256)
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as b:
+        x = a.generate(["two engines"], SamplingParams(max_tokens=4))[0].token_ids
+        assert b.generate(["two engines"], SamplingParams(max_tokens=4))[0].token_ids == x
+    with pytest.raises(RuntimeError, match="closed"):
+        b.generate(["x"])
+    a.close()
+    a.close()
+
+
+def test_unknown_engine_argument(tiny_checkpoint):
+    with pytest.raises(TypeError, match="kv_cache_tokenz"):
+        LLM(str(tiny_checkpoint), kv_cache_tokenz=4)
