@@ -1,0 +1,61 @@
+"""PyTorch references for the paged-KV kernels; also the engine's CPU ("torch") attention backend.
+
+KV pool layout, per layer: ``k_cache``, ``v_cache`` of shape ``[num_blocks, block_size, n_head, head_dim]``.
+Token ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``;
+its slot is ``block * block_size + offset``.
+
+Pure torch: this module must never import triton.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write the K/V rows of a step into their cache slots, in place.
+
+    key, value: [N, H, D]; k_cache, v_cache: [num_blocks, block_size, H, D];
+    slot_mapping: [N] int64, a slot per row, -1 for a padding row that is not written.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def gather_kv(cache: Tensor, block_tables: Tensor) -> Tensor:
+    """The pages of each sequence laid end to end.
+
+    cache: [num_blocks, block_size, H, D]; block_tables: [B, max_blocks] -> [B, H, max_blocks * block_size, D].
+    """
+    pages = cache[block_tables.long()]  # (B, max_blocks, block_size, H, D)
+    return pages.flatten(1, 2).transpose(1, 2)
+
+
+def paged_decode_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """One query token per sequence attending to the first ``context_lens[b]`` tokens of its pages.
+
+    query: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, H, D];
+    block_tables: [B, max_blocks] int32 (entries past a sequence's length may be any valid block);
+    context_lens: [B] int32. Returns [B, H, D] in the query's dtype. Softmax and accumulation run in
+    fp32 for half inputs. A row with context_len 0 returns zeros.
+    """
+    keys = gather_kv(k_cache, block_tables)  # (B, H, L, D)
+    values = gather_kv(v_cache, block_tables)
+    positions = torch.arange(keys.shape[2], device=query.device)
+    mask = positions[None, :] < context_lens[:, None]  # (B, L)
+    if query.dtype != torch.float32:
+        keys, values = keys.float(), values.float()
+    out = F.scaled_dot_product_attention(
+        query.float()[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
+    )[:, :, 0]  # (B, H, D)
+    out = out.masked_fill(context_lens[:, None, None] <= 0, 0.0)
+    return out.to(query.dtype)

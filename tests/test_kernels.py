@@ -1,0 +1,98 @@
+"""Paged-KV kernels: the torch references against naive attention here; the Triton kernels in child processes.
+
+This process never imports triton. ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a kernel
+(triton's own helpers included), so the two Triton checks each need a process of their own:
+- ``kernel_cases.py``: every kernel against its reference, under ``TRITON_INTERPRET=1`` without a GPU;
+- ``kernel_compile_check.py``: every kernel compiled to sm_80 and sm_90, with ``TRITON_INTERPRET`` unset.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
+from minigpt.kernels import reference
+
+HERE = Path(__file__).parent
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def naive_decode_attention(p: SimpleNamespace) -> torch.Tensor:
+    """Dense softmax attention per sequence in float64, reading tokens one by one: [B, H, D]."""
+    block_size = p.k_cache.shape[1]
+    outs = []
+    for b, n in enumerate(p.context_lens.tolist()):
+        slots = [(p.block_tables[b, t // block_size].item(), t % block_size) for t in range(n)]
+        keys = torch.stack([p.k_cache[blk, off] for blk, off in slots]).double()  # (n, H, D)
+        values = torch.stack([p.v_cache[blk, off] for blk, off in slots]).double()
+        scores = torch.einsum("hd,nhd->hn", p.query[b].double(), keys) * p.scale
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_decode_matches_naive_attention(dtype: torch.dtype, block_size: int) -> None:
+    p = make_pages([1, block_size, 2 * block_size, 37, 70], block_size, num_heads=3, head_dim=64, dtype=dtype)
+    out = reference.paged_decode_attention(*decode_args(p))
+    assert out.dtype == dtype and out.shape == p.query.shape
+    torch.testing.assert_close(out.double(), naive_decode_attention(p), **TOL[dtype])
+
+
+def test_reference_decode_empty_context_gives_zeros() -> None:
+    p = make_pages([0, 5], 16, num_heads=2, head_dim=64, dtype=torch.float32)
+    out = reference.paged_decode_attention(*decode_args(p))
+    assert (out[0] == 0).all() and out.isfinite().all()
+
+
+def test_reference_decode_fp16_softmax_runs_in_fp32() -> None:
+    """Scores far past fp16's range (65504) still give the right, finite attention."""
+    p = make_pages([20, 9], 8, num_heads=2, head_dim=64, dtype=torch.float16)
+    p.k_cache *= 100.0
+    p.query *= 100.0
+    p.scale = 1.0
+    out = reference.paged_decode_attention(*decode_args(p))
+    torch.testing.assert_close(out.double(), naive_decode_attention(p), **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype) -> None:
+    block_size, num_heads, head_dim = 8, 3, 16
+    k_cache = torch.zeros(6, block_size, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([17, -1, 0, 47, -1, 9], device=DEVICE)
+    key, value = fused_kv_rows(len(slots), num_heads, head_dim, dtype)
+    reference.store_kv(key, value, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, num_heads, head_dim), v_cache.view(-1, num_heads, head_dim)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], key[row]) and torch.equal(flat_v[slot], value[row])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert (flat_k[untouched] == 0).all() and (flat_v[untouched] == 0).all()
+
+
+def run_child(args: list[str], env: dict[str, str]) -> None:
+    result = subprocess.run([sys.executable, *args], cwd=HERE.parent, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+
+
+@pytest.mark.triton
+@needs_triton
+def test_triton_kernels_match_references() -> None:
+    """``kernel_cases.py`` in a fresh process (it sets TRITON_INTERPRET=1 itself when there is no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run_child(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "kernel_cases.py")], env)
+
+
+@pytest.mark.triton
+@needs_triton
+def test_triton_kernels_compile_for_sm80_and_sm90() -> None:
+    """Real compilation catches what the interpreter lets through (e.g. a loop-carried dtype change)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run_child([str(HERE / "kernel_compile_check.py")], env)
