@@ -8,11 +8,12 @@ a token is sampled; the sampler picks the tokens; finished sequences give their 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
 from minigpt.progress import Progress
 from minigpt.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logprobs
-from minigpt.scheduler import Scheduler
+from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
 from minigpt.weights import load_model, resolve_checkpoint, resolve_device, resolve_dtype
@@ -146,9 +147,10 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id
         self.sampler = Sampler(min(self.tokenizer.n_vocab, self.model_config.vocab_size), self.eos_token_id)
-        self._next_id = 0
+        self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.on_step: Callable[[ScheduledBatch, list[Sequence]], None] | None = None  # stats hook
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             num_blocks, config.block_size, self.pool.num_tokens, self.pool.nbytes / 2**20, config.dtype,
@@ -184,8 +186,7 @@ class Engine:
                 f"the KV pool holds {self.pool.num_tokens} tokens but this request needs {needed}; "
                 "raise kv_cache_tokens"
             )
-        request = Request(self._next_id, text, ids, params)
-        self._next_id += 1
+        request = Request(next(self._ids), text, ids, params)
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
@@ -246,6 +247,8 @@ class Engine:
                     self.scheduler.finish(seq)
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
+        if self.on_step is not None:
+            self.on_step(batch, sampled)
         return sampled
 
     def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
