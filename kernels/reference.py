@@ -27,10 +27,12 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 def gather_kv(cache: Tensor, block_tables: Tensor) -> Tensor:
     """The pages of each sequence laid end to end.
 
-    cache: [num_blocks, block_size, H, D]; block_tables: [B, max_blocks] -> [B, H, max_blocks * block_size, D].
+    cache: [num_blocks, block_size, H, D]; block_tables: [B, max_blocks] -> [B, H, max_blocks * block_size, D]
+    (a transposed view of one contiguous copy: index_select is faster on the CPU than advanced indexing).
     """
-    pages = cache[block_tables.long()]  # (B, max_blocks, block_size, H, D)
-    return pages.flatten(1, 2).transpose(1, 2)
+    batch, width = block_tables.shape
+    pages = cache.index_select(0, block_tables.flatten().long())  # (B * max_blocks, block_size, H, D)
+    return pages.view(batch, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def paged_decode_attention(
