@@ -1,7 +1,17 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
 
+from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
 from minigpt.engine import LLM, CompletionOutput, RequestOutput
 from minigpt.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "AsyncLLM",
+    "RequestHandle",
+    "StreamDelta",
+    "QueueFullError",
+]
 __version__ = "0.1.0"
