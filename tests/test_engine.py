@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from conftest import hf_model
 
 from minigpt import LLM, SamplingParams
+
+from conftest import hf_model
 
 
 def _prompts(lengths: list[int], vocab: int = 50257, seed: int = 0) -> list[list[int]]:

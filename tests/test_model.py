@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_model
 
 from minigpt.model import GPT2
+
+from conftest import hf_model
 
 CONFIGS = {
     "default": {},

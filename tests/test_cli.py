@@ -1,0 +1,77 @@
+"""`python -m minigpt.generate`: streaming, batches, JSON, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from minigpt import LLM, SamplingParams
+from minigpt.generate import main
+
+
+def test_streams_the_same_text_as_the_api(tiny_checkpoint):
+    result = subprocess.run(
+        [sys.executable, "-m", "minigpt.generate", "--model", str(tiny_checkpoint), "--prompt", "Hello world",
+         "--max-new-tokens", "12", "--ignore-eos"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    with LLM(str(tiny_checkpoint)) as llm:
+        text = llm.generate(["Hello world"], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
+    assert result.stdout == "Hello world" + text + "\n"
+    assert "KV pool" in result.stderr
+
+
+def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond one 🎉\nthird\n", encoding="utf-8")
+    assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--json", "--quiet",
+                 "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40", "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["first prompt", "second one 🎉", "third"]
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length") and 1 <= len(r["token_ids"]) <= 5
+        assert r["time_to_first_token_s"] > 0
+    again = tmp_path / "again.txt"
+    assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--json", "--quiet",
+                 "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40", "--seed", "3"]) == 0
+    again.write_text(capsys.readouterr().out)
+    assert [json.loads(line)["token_ids"] for line in again.read_text().splitlines()] == [
+        r["token_ids"] for r in rows
+    ], "a seed makes sampling reproducible"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/no/such/dir"], "no checkpoint directory"),
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--max-new-tokens", "500"], "exceeds the model's context"),
+        (["--max-new-tokens", "0"], "max_tokens"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-1"], "top_k"),
+        (["--temperature", "-0.5"], "temperature"),
+        (["--dtype", "float8"], "unknown dtype"),
+        (["--prompts-file", "/no/such/file.txt"], "cannot read --prompts-file"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tiny_checkpoint, capsys, args, message):
+    argv = ["--model", str(tiny_checkpoint), "--quiet"] + args
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
+
+
+def test_corrupt_weights_and_offline_hub(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    broken = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    assert main(["--model", str(broken), "--quiet"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--model", "minigpt-test/not-cached", "--quiet"]) == 2
+    assert "local checkpoint directory" in capsys.readouterr().err

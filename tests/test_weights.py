@@ -1,0 +1,157 @@
+"""Loading real checkpoint shapes: sharded, .bin only, both key layouts, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minigpt.checkpoint import random_model, write_checkpoint
+from minigpt.config import ConfigError, GPT2Config
+from minigpt.model import GPT2
+from minigpt.tokenizer import gpt2_vocab_files
+from minigpt.weights import CheckpointError, load_model, resolve_checkpoint
+
+from conftest import TINY, hf_model
+
+
+def _logits_match(path: Path) -> None:
+    ids = torch.randint(0, 50257, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = hf_model(path)(ids).logits, GPT2.from_pretrained(path)(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_safetensors(tmp_path):
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(HFConfig(**TINY)).eval()
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 4]])
+        torch.testing.assert_close(GPT2.from_pretrained(tmp_path)(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_pytorch_model_bin_only(tmp_path, tiny_checkpoint):
+    state = load_file(tiny_checkpoint / "model.safetensors")
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(GPT2.from_pretrained(tmp_path)(ids), GPT2.from_pretrained(tiny_checkpoint)(ids))
+
+
+def test_lm_head_in_file_of_a_tied_model_is_accepted(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone()
+    save_file(state, path / "model.safetensors")
+    _logits_match(path)
+
+
+def test_hub_style_config_without_newer_keys(checkpoint_factory):
+    path = checkpoint_factory(layout="openai")
+    config = json.loads((path / "config.json").read_text())
+    assert "n_ctx" in config and "reorder_and_upcast_attn" not in config
+    _logits_match(path)
+
+
+@pytest.mark.parametrize("layout", ["hf", "openai"])
+def test_make_checkpoint_output_loads_in_transformers(tmp_path, layout):
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    path = write_checkpoint(random_model(config, seed=1), tmp_path / layout, gpt2_vocab_files(), layout=layout)
+    _logits_match(path)
+
+
+def test_truncated_weights_file(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_garbage_weights_file(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    (path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(path)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), "missing keys.*h.1.mlp.c_fc.bias"),
+        (lambda s: s.update({"transformer.h.9.attn.c_attn.weight": torch.zeros(2)}), "unexpected keys.*h.9"),
+        (lambda s: s.update({"transformer.wpe.weight": torch.zeros(3, 64)}), "wpe.weight has shape"),
+    ],
+    ids=["missing", "unexpected", "shape"],
+)
+def test_key_and_shape_errors_name_the_key(tmp_path, tiny_checkpoint, edit, match):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=match):
+        load_model(path)
+
+
+def test_untied_model_without_lm_head_is_refused(tmp_path, tiny_checkpoint):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_model(path)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"model_type": "gpt_neo"}, "not GPT-2"),
+        ({"activation_function": "swiglu"}, "activation_function"),
+        ({"n_head": 5}, "divisible"),
+        ({"add_cross_attention": True}, "cross_attention"),
+        ({"n_layer": 0}, "n_layer"),
+    ],
+)
+def test_unsupported_configs_are_refused(tmp_path, tiny_checkpoint, change, match):
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config.update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=match):
+        load_model(path)
+
+
+def test_missing_files_and_dirs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        resolve_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_hub_id_without_network_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local checkpoint directory"):
+        resolve_checkpoint("minigpt-test/surely-not-cached")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_loads_straight_into_dtype(tiny_checkpoint, dtype):
+    model = load_model(tiny_checkpoint, dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert not any(p.is_meta for p in model.parameters())
