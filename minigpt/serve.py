@@ -1,0 +1,86 @@
+"""`python -m minigpt.serve`: an OpenAI-compatible HTTP server for one GPT-2 model.
+
+    python -m minigpt.serve --model gpt2 [--port 8000 --api-key KEY --dtype bfloat16 ...]
+
+Loads the model, then serves POST /v1/completions, GET /v1/models, /health and /metrics on
+127.0.0.1 (pass --host 0.0.0.0 to listen on every interface). Needs the `server` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from minigpt.engine_config import EngineConfig
+
+MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minigpt.serve", description="Serve GPT-2 over the OpenAI API.")
+    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
+    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
+    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
+    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
+    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
+                        help="queued requests beyond which new ones get 503")
+    return parser
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+        num_threads=args.threads, max_waiting=args.max_waiting,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        parser.error("--max-body-bytes must be a positive number of bytes")
+    try:
+        import uvicorn
+
+        from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+    except ImportError as err:
+        print(f"minigpt.serve: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
+        return 2
+    from minigpt.async_engine import AsyncLLM
+
+    logging.basicConfig(level=args.log_level.upper(), format="[minigpt] %(message)s", stream=sys.stderr)
+    try:
+        llm = AsyncLLM(args.model, **engine_args(args))
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"minigpt.serve: error: {message}", file=sys.stderr)
+        return 2
+    try:
+        app = build_app(llm, args.served_model_name or args.model, args.api_key,
+                        args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        # open streams get a few seconds to end on shutdown, then close() aborts what is left
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The FastAPI app: OpenAI's /v1/completions and /v1/models, plus /health and /metrics.
+
+Each prompt of a request becomes one `AsyncLLM` request, so it joins the running batch at the
+engine's next step. A request ends when the engine finishes it or when its client goes away:
+leaving a stream (Starlette cancels the generator when the client disconnects) or a wait
+(a watcher task sees `http.disconnect`) cancels the engine request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from minigpt import __version__
+from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
+from minigpt.engine import RequestOutput
+from minigpt.sampling import SamplingParams
+from minigpt.server import protocol
+from minigpt.server.errors import APIError, install_handlers, invalid
+from minigpt.server.middleware import BearerAuth, BodySizeLimit
+from minigpt.server.protocol import CompletionRequest
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+T = TypeVar("T")
+
+
+def build_app(
+    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """An app serving `llm` under `model_name`; with `api_key`, /v1 asks for `Authorization: Bearer <key>`."""
+    app = FastAPI(title="minigpt", version=__version__)
+    install_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first
+    server = CompletionServer(llm, model_name)
+    v1 = APIRouter(prefix="/v1")
+    v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/models", server.models, methods=["GET"])
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(llm.metrics().to_prometheus(), media_type=PROMETHEUS_TEXT)
+
+    return app
+
+
+class CompletionServer:
+    """The /v1 endpoints over one AsyncLLM."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.created = protocol.now()
+
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minigpt",
+                "max_model_len": self.llm.engine.model_config.n_positions}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        params = body.sampling_params()
+        prompts = body.prompts()
+        handles = self._submit(prompts, params)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(handles, prompts, params.n, bool(body.echo), include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            outputs = await _unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
+        finally:
+            for handle in handles:
+                handle.cancel()  # a no-op for finished requests
+        if outputs is None:
+            return Response(status_code=499)  # nobody is listening
+        self._raise_failures(handles)
+        tokenizer = self.llm.tokenizer
+        choices = [c for i, out in enumerate(outputs)
+                   for c in protocol.completion_choices(out, i * params.n, bool(body.echo), tokenizer)]
+        return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
+
+    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams) -> list[RequestHandle]:
+        """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
+        handles: list[RequestHandle] = []
+        try:
+            for prompt in prompts:
+                handles.append(self.llm.submit(prompt, params))
+        except QueueFullError as err:
+            raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except (ValueError, TypeError) as err:
+            where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
+            raise invalid(f"{where}{err}", "prompt") from None
+        except RuntimeError as err:  # the engine is closed
+            raise APIError(503, f"the engine is not running: {err}", "server_error") from None
+        finally:
+            if len(handles) < len(prompts):
+                for handle in handles:
+                    handle.cancel()
+        return handles
+
+    @staticmethod
+    def _raise_failures(handles: list[RequestHandle]) -> None:
+        error = next((h.error for h in handles if h.error), None)
+        if error is not None:
+            raise APIError(500, f"generation failed: {error}", "server_error")
+
+    def _header(self) -> dict:
+        return {"id": protocol.completion_id(), "object": "text_completion", "created": protocol.now(),
+                "model": self.model_name}
+
+    async def _stream(self, handles: list[RequestHandle], prompts: list[protocol.Prompt], n: int, echo: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per text delta of any choice, then usage if asked, then [DONE]."""
+        header = self._header()  # every chunk of a completion shares its id and created time
+        try:
+            if echo:
+                for i, prompt in enumerate(prompts):
+                    text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
+                    for j in range(n):
+                        yield _event({**header, "choices": [protocol.choice(i * n + j, text, None)]})
+            async for i, delta in _merged(handles):
+                if delta.finish_reason == "error":
+                    error = APIError(500, f"generation failed: {handles[i].error or 'engine error'}", "server_error")
+                    yield _event(error.body())
+                    continue
+                if delta.text or delta.finished:
+                    choice = protocol.choice(i * n + delta.index, delta.text, delta.finish_reason)
+                    yield _event({**header, "choices": [choice]})
+            if include_usage:
+                outputs: list[RequestOutput] = [await h.wait() for h in handles]
+                yield _event({**header, "choices": [], "usage": protocol.usage(outputs)})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (Starlette cancels this generator) or the stream ended
+            for handle in handles:
+                handle.cancel()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(prompt index, delta) from every handle as soon as each arrives."""
+    if len(handles) == 1:
+        async for delta in handles[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle:
+                queue.put_nowait((i, delta))
+        except Exception as err:
+            queue.put_nowait((i, err))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # cancelling the waits cancels the engine requests
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,82 @@
+"""API key and body size checks, as plain ASGI middleware so they run before anything reads the body.
+
+The key is checked first: a client without it cannot make the server buffer a body at all.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from minigpt.server.errors import APIError
+
+
+class BearerAuth:
+    """Paths under `prefix` need `Authorization: Bearer <api_key>`; probes (/health, /metrics) do not."""
+
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix) and not self._authorized(scope):
+            error = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                             "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+class BodySizeLimit:
+    """A declared Content-Length over the limit is refused before a byte is read; a chunked body is
+    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"request body is larger than the server's limit of {self.max_bytes} bytes",
+                         code="request_too_large", headers={"Connection": "close"})
+        await error.response()(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that hands out the buffered body once, then the client's later messages (disconnect)."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

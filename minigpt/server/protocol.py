@@ -1,0 +1,178 @@
+"""The /v1/completions request as OpenAI (and vLLM's extensions) define it, mapped onto SamplingParams.
+
+Types are checked strictly by pydantic (no "0.5" for a float, no true for a token id); value ranges
+are checked once, by SamplingParams, whose errors name the field, so the 400 names it too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict
+
+from minigpt.engine import RequestOutput
+from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.server.errors import invalid
+from minigpt.tokenizer import IncrementalDecoder, Tokenizer
+
+Prompt = str | list[int]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completions body; null means the default, as OpenAI clients sometimes send it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+
+    def prompts(self) -> list[Prompt]:
+        """The prompt(s) as a list of texts or token-id lists, one engine request each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        return prompt
+
+    def sampling_params(self) -> SamplingParams:
+        """OpenAI defaults (max_tokens 16, temperature 1) where the request leaves a field out."""
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias")
+        if self.best_of not in (None, self.n or 1):
+            raise invalid("best_of is not supported unless it equals n", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream=true", "stream_options")
+        if self.stream and self.logprobs is not None:
+            raise invalid("logprobs are not supported with stream=true", "logprobs")
+        top_k = self.top_k if self.top_k != -1 else 0  # vLLM spells "no top-k" as -1
+        given = {
+            "max_tokens": 16 if self.max_tokens is None else self.max_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": self.top_p,
+            "n": self.n,
+            "stop": self.stop,
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.logprobs if self.echo else None,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens,
+        }
+        try:
+            return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        except ValueError as err:
+            field = _FIELD.search(str(err))
+            param = field.group(1) if field else None
+            message = str(err).replace("SamplingParams.", "")
+            if param == "prompt_logprobs":  # set from logprobs when echo is on
+                param, message = "logprobs", message.replace("prompt_logprobs", "logprobs")
+            raise invalid(message, param) from None
+
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(out.prompt_token_ids) for out in outputs)
+    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_choices(out: RequestOutput, first_index: int, echo: bool, tokenizer: Tokenizer) -> list[dict]:
+    """The choices of one prompt, indexed prompt-major as OpenAI does (prompt i, sample j -> i * n + j)."""
+    prompt_text = prompt_as_text(out, tokenizer) if echo else ""
+    choices = []
+    for c in out.outputs:
+        logprobs = None
+        if c.logprobs is not None:
+            ids, lps = list(c.token_ids), list(c.logprobs)
+            if echo:
+                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + lps
+            logprobs = openai_logprobs(tokenizer, ids, lps)
+        choices.append(choice(first_index + c.index, prompt_text + c.text, c.finish_reason, logprobs))
+    return choices
+
+
+def prompt_as_text(out: RequestOutput, tokenizer: Tokenizer) -> str:
+    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+
+def openai_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs | None],
+                    text_offset: int = 0) -> dict:
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the chosen token always
+    among them) and text_offset, the character where each token starts in the returned text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    decoder = IncrementalDecoder(tokenizer)
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
+        token = token_string(tokenizer, token_id)
+        tokens.append(token)
+        offsets.append(text_offset)
+        text_offset += len(decoder.feed(token_id))
+        if lp is None:  # a prompt's first token has nothing before it to predict it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(lp.logprob)
+        top = {token_string(tokenizer, i): v for i, v in lp.top.items()}
+        top.setdefault(token, lp.logprob)
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def token_string(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token's text; a token that ends inside a UTF-8 character is shown as its bytes, OpenAI's way."""
+    raw = tokenizer.decode_bytes([token_id])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
