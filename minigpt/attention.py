@@ -41,11 +41,19 @@ class StepMetadata:
     decode_context_lens: torch.Tensor | None  # [B_decode] int32
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """The engine's KV write: like `reference.store_kv`, minus its support for padding rows
+    (slot -1), which the engine never emits and whose boolean masking copies every row."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
 class TorchBackend:
     """Decode attention through the PyTorch reference: runs anywhere, never imports Triton."""
 
     name = "torch"
-    store_kv = staticmethod(reference.store_kv)
+    store_kv = staticmethod(store_kv)
     decode = staticmethod(reference.paged_decode_attention)
 
 

@@ -22,10 +22,6 @@ from minigpt.attention import StepMetadata, TorchBackend, TritonBackend, prefill
 from minigpt.config import GPT2Config
 
 
-def _gelu_new(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
 def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
@@ -34,13 +30,14 @@ def _gelu_accurate(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
-# Same formulas as transformers' ACT2FN, so fp32 logits agree to rounding.
+# Same functions as transformers' ACT2FN, so fp32 logits agree to rounding. GPT-2's own
+# `gelu_new` is the tanh approximation: torch's fused kernel computes it in one pass instead of six.
 ACTIVATIONS = {
-    "gelu_new": _gelu_new,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "gelu_python": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_python_tanh": _gelu_new,
+    "gelu_python_tanh": _gelu_accurate,
     "gelu_fast": _gelu_fast,
     "gelu_accurate": _gelu_accurate,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
