@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from minigpt.config import GPT2Config
 from minigpt.model import GPT2
-from minigpt.weights import CONV1D_WEIGHTS
+from minigpt.weights import CONV1D_WEIGHTS, is_layernorm
 
 # n_layer, n_head, n_embd of the published GPT-2 family.
 PRESETS = {
@@ -45,7 +45,7 @@ def random_model(config: GPT2Config, seed: int = 0) -> GPT2:
     for name, param in model.named_parameters():
         if name.endswith("bias"):
             torch.nn.init.zeros_(param)
-        elif ".ln_" in name or name.startswith("ln_f"):
+        elif is_layernorm(name):
             torch.nn.init.ones_(param)
         elif name.endswith("c_proj.weight"):
             torch.nn.init.normal_(param, std=std / (2 * config.n_layer) ** 0.5)

@@ -112,31 +112,38 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    """Pre-norm transformer block. The residual stream and layernorms stay in fp32 whatever the
+    model's dtype (GPT-2's activations overflow fp16); attention and MLP run in `dtype`."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.dtype = dtype
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x).to(self.dtype), mask)
+        return x + self.mlp(self.ln_2(x).to(self.dtype))
 
     def forward_step(self, x, kv, meta, backend) -> torch.Tensor:
-        x = x + self.attn.forward_step(self.ln_1(x), kv, meta, backend)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn.forward_step(self.ln_1(x).to(self.dtype), kv, meta, backend)
+        return x + self.mlp(self.ln_2(x).to(self.dtype))
 
 
 class GPT2(nn.Module):
-    """GPT-2 language model (GPT2LMHeadModel's math), inference only: no dropout anywhere."""
+    """GPT-2 language model (GPT2LMHeadModel's math), inference only: no dropout anywhere.
 
-    def __init__(self, config: GPT2Config) -> None:
+    `dtype` is what the linears, attention and KV pool compute in; layernorm parameters and
+    the residual stream are fp32 (see Block)."""
+
+    def __init__(self, config: GPT2Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.dtype = config, dtype
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.h = nn.ModuleList(Block(config, i, dtype) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -184,10 +191,10 @@ class GPT2(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         self._check_ranges(input_ids, position_ids)
-        x = self.wte(input_ids) + self.wpe(position_ids)
+        x = self.wte(input_ids).float() + self.wpe(position_ids).float()
         for block in self.h:
             x = block(x, mask)
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(self.ln_f(x).to(self.dtype))
 
     def forward_step(
         self,
@@ -201,10 +208,10 @@ class GPT2(nn.Module):
         """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
         at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
         (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place."""
-        x = self.wte(input_ids) + self.wpe(positions)
+        x = self.wte(input_ids).float() + self.wpe(positions).float()
         for layer, block in enumerate(self.h):
             x = block.forward_step(x, kv_pool[layer], meta, backend)
-        return self.lm_head(self.ln_f(x[logits_indices]))
+        return self.lm_head(self.ln_f(x[logits_indices]).to(self.dtype))
 
     def _check_ranges(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):

@@ -159,6 +159,11 @@ def _model_key(name: str) -> str | None:
     return name.removeprefix("transformer.")
 
 
+def is_layernorm(key: str) -> bool:
+    """Layernorm parameters stay fp32 in every dtype (see model.Block)."""
+    return key.startswith("ln_f.") or ".ln_" in key
+
+
 def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.device) -> None:
     """Fill a meta-device `model` from the weight files in `path`, strictly: every parameter
     present with its shape, no key left over."""
@@ -181,7 +186,8 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
                     f"{file.name}: {name} has shape {tuple(tensor.shape)}, the config expects {tuple(expected[key])}"
                     + (" (after transposing Conv1D)" if key.endswith(CONV1D_WEIGHTS) else "")
                 )
-            state[key] = tensor.to(device=device, dtype=dtype).contiguous()
+            target = torch.float32 if is_layernorm(key) else dtype
+            state[key] = tensor.to(device=device, dtype=target).contiguous()
             del tensor
     if unexpected:
         raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected)[:10])}")
@@ -203,6 +209,6 @@ def load_model(
     path = resolve_checkpoint(name_or_path)
     config = GPT2Config.from_json_file(path / "config.json")
     with torch.device("meta"):
-        model = GPT2(config)
+        model = GPT2(config, torch_dtype)
     load_state_into(model, path, torch_dtype, torch_device)
     return model.eval().requires_grad_(False)
