@@ -8,9 +8,10 @@ real compiler rejects, so this must run in a process where ``TRITON_INTERPRET`` 
 import os
 import sys
 
-from minigpt.kernels import kv_store, paged_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
+
+from minigpt.kernels import kv_store, paged_attention
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 DTYPES = ["fp32", "fp16", "bf16"]

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
+
 from minigpt.kernels import reference
 
 HERE = Path(__file__).parent
