@@ -58,15 +58,20 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Decode attention and KV stores through the Triton kernels (CUDA only)."""
+    """Decode attention and KV stores through the Triton kernels: compiled on CUDA; on other devices
+    only under Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), for tests."""
 
     name = "triton"
 
     def __init__(self) -> None:
+        from triton.runtime import JITFunction
+
         from minigpt.kernels import kv_store, paged_attention
 
         self.store_kv = kv_store.store_kv
         self.decode = paged_attention.paged_decode_attention
+        # triton.jit reads TRITON_INTERPRET when it decorates: the kernels' type says which way they went.
+        self.interpreted = not isinstance(paged_attention._paged_decode_kernel, JITFunction)
 
 
 def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:
@@ -76,11 +81,17 @@ def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBack
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchBackend()
     try:
-        return TritonBackend()
+        backend = TritonBackend()
     except ImportError as err:
         if name == "auto":
             return TorchBackend()
         raise ValueError(f"attention_backend='triton' is unavailable: {err} (pip install 'minigpt[triton]')") from None
+    if device.type != "cuda" and not backend.interpreted:
+        raise ValueError(
+            f"attention_backend='triton' on device {device.type!r} runs only under Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before triton is first imported, or use attention_backend='torch'"
+        )
+    return backend
 
 
 def prefill_attention(

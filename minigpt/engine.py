@@ -239,7 +239,7 @@ class Engine:
             self._record_prompt_logprobs(seq, logits[row : row + len(positions)], positions)
         sampled = inputs.sample_seqs
         if sampled:
-            out = self.sampler(logits[inputs.sample_rows], sampled)
+            out = self.sampler(logits[to_device(inputs.sample_rows, torch.int64, self.device)], sampled)
             logprobs = out.logprobs or [None] * len(sampled)
             for seq, token, lp in zip(sampled, out.token_ids, logprobs, strict=True):
                 seq.append(token, lp)
@@ -270,7 +270,7 @@ class Engine:
             ids.extend(seq.token_ids[first:end])
             positions.extend(range(first, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(first, end))
-            pages = torch.tensor(table[: -(-end // bs)], dtype=torch.int64, device=self.device)
+            pages = to_device(table[: -(-end // bs)], torch.int64, self.device)
             segments.append(PrefillSegment(start, chunk, end, pages))
             if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
                 wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
@@ -294,12 +294,12 @@ class Engine:
                 logits_indices.append(len(ids) - 1)
                 sample_seqs.append(seq)
                 tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
-            decode_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
-            decode_lens = torch.tensor([len(s.token_ids) for s in decodes], dtype=torch.int32, device=self.device)
+            decode_tables = to_device(tables, torch.int32, self.device)
+            decode_lens = to_device([len(s.token_ids) for s in decodes], torch.int32, self.device)
         num_prefill_tokens = len(ids) - len(decodes)
 
         def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return to_device(values, torch.int64, self.device)
 
         meta = StepMetadata(tensor(slots), segments, num_prefill_tokens, decode_tables, decode_lens)
         return StepInputs(
@@ -314,6 +314,14 @@ class Engine:
 
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step input built from host values. On CUDA through pinned memory and an async copy: a copy from
+    pageable memory synchronizes the stream, so the host could not queue a step while the GPU runs one."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass
