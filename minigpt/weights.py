@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from minigpt.config import GPT2Config
 from minigpt.model import GPT2
@@ -199,6 +200,16 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
         model.lm_head.weight = model.wte.weight
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skip random initialisation while building the model: the checkpoint fills every parameter,
+    and torch's init on the meta device would import torch._dynamo (and with it Triton, ~1 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def load_model(
     name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "float32",
@@ -208,7 +219,7 @@ def load_model(
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_checkpoint(name_or_path)
     config = GPT2Config.from_json_file(path / "config.json")
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = GPT2(config, torch_dtype)
     load_state_into(model, path, torch_dtype, torch_device)
     return model.eval().requires_grad_(False)

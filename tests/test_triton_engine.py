@@ -76,11 +76,6 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_a_clear_error(tiny_che
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks Triton on CUDA")
-@pytest.mark.xfail(
-    strict=True,
-    reason="weights.load_model builds GPT2 on the meta device: nn.Embedding's init (normal_) on meta runs "
-    "torch's Python decomposition, which imports torch._dynamo, which imports triton when installed",
-)
 def test_cpu_default_path_never_imports_triton(tiny_checkpoint) -> None:
     result = run_python(f"""
         import sys

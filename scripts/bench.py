@@ -1,0 +1,315 @@
+"""Benchmark minigpt against the engines people use for GPT-2, side by side, on one checkpoint.
+
+    python scripts/make_checkpoint.py checkpoints/gpt2-random --preset gpt2
+    python scripts/bench.py --model checkpoints/gpt2-random                  # every workload, every engine found
+    python scripts/bench.py --model checkpoints/gpt2-random --workloads stream,seed000 --engines minigpt,transformers
+
+Workloads (scripts/workloads.py) reproduce the seed write-ups:
+  seed000  N concurrent queries x 64 greedy tokens: one-at-a-time vs batched (calls, avg batch size)
+  seed002  throughput and per-step latency for batch sizes 1..128 (plotted)
+  stream   one stream, 8-token prompt, 128 tokens: TTFT, TPOT, tok/s, GB/s and % of the bandwidth bound
+  serving  Poisson arrivals at several rates: TTFT/TPOT p50/p99 and throughput
+
+Every engine gets the same prompt token ids and generates exactly max_new_tokens greedy tokens
+(EOS ignored). Numbers are medians over --repeats runs, measured in this one process, one after
+the other; the run waits for the machine to be quiet first and reports the other load it saw.
+Progress goes to stderr, a markdown table per workload to stdout, JSON (and a PNG plot when
+matplotlib is installed) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import peers as P  # noqa: E402 - scripts/ is not a package
+import workloads as W  # noqa: E402
+
+from minigpt import LLM, AsyncLLM, SamplingParams  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+class MinigptPeer(P.Peer):
+    """minigpt through its public API: LLM.generate for batches, AsyncLLM for serving."""
+
+    name = "minigpt"
+    dtypes = ("float32", "bfloat16", "int8")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llm: LLM | None = None
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def _engine_args(self, dtype: str) -> dict:
+        if dtype == "int8":
+            return {"dtype": "float32", "quantize": "int8", "num_threads": P.THREADS}
+        return {"dtype": dtype, "num_threads": P.THREADS}
+
+    def prepare(self, checkpoint_dir: str | Path, dtype: str) -> None:
+        self.close()
+        self.checkpoint_dir, self.dtype = Path(checkpoint_dir), dtype
+        self.llm = LLM(str(checkpoint_dir), max_num_seqs=256, **self._engine_args(dtype))
+
+    def _params(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_new_tokens, ignore_eos=True)
+
+    def run_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int | None = None
+    ) -> P.BatchResult:
+        engine = self.llm.engine
+        steps0 = engine.num_steps
+        groups = P._chunks(list(prompts), batch_size or len(prompts))
+        start = time.perf_counter()
+        outs = [o for group in groups for o in self.llm.generate([list(p) for p in group],
+                                                                 self._params(max_new_tokens), progress=False)]
+        seconds = time.perf_counter() - start
+        steps = engine.num_steps - steps0
+        mode = "one-by-one" if batch_size == 1 else f"continuous {len(prompts)}"
+        return P.BatchResult(
+            self.name, self.dtype, mode, len(prompts), sum(len(p) for p in prompts),
+            sum(len(o.token_ids) for o in outs), seconds, steps, steps, max_new_tokens, [o.token_ids for o in outs],
+        )
+
+    def run_stream(self, prompt: Sequence[int], max_new_tokens: int) -> P.StreamResult:
+        start = time.perf_counter()
+        out = self.llm.generate([list(prompt)], self._params(max_new_tokens), progress=False)[0]
+        seconds = time.perf_counter() - start
+        m = out.metrics
+        return P.StreamResult(self.name, self.dtype, len(prompt), len(out.token_ids), m.time_to_first_token,
+                              m.time_per_output_token, seconds, out.token_ids)
+
+    def run_serving(self, requests: Sequence[W.ServingRequest], rate: float = float("nan")) -> P.ServingResult:
+        """Requests submitted at their arrival times to one AsyncLLM: continuous batching."""
+        result = P.ServingResult(self.name, self.dtype, "continuous batching", rate)
+        self.close()
+        with AsyncLLM(str(self.checkpoint_dir), max_num_seqs=256, **self._engine_args(self.dtype)) as llm:
+            llm.submit([1, 2, 3], self._params(4)).result()  # warm up
+            start = time.perf_counter()
+            lock = threading.Lock()
+            threads = []
+
+            def client(req: W.ServingRequest) -> None:
+                handle = llm.submit(req.prompt.token_ids, self._params(req.max_new_tokens))
+                first = None
+                for delta in handle:
+                    if first is None and delta.token_ids:
+                        first = time.perf_counter() - start
+                out = handle.result()
+                end = time.perf_counter() - start
+                timing = P.RequestTiming(req.arrival_s, first if first is not None else end, end,
+                                         len(req.prompt.token_ids), len(out.token_ids))
+                with lock:
+                    result.requests.append(timing)
+
+            for req in sorted(requests, key=lambda r: r.arrival_s):
+                delay = req.arrival_s - (time.perf_counter() - start)
+                if delay > 0:
+                    time.sleep(delay)
+                thread = threading.Thread(target=client, args=(req,), daemon=True)
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                thread.join()
+        self.prepare(self.checkpoint_dir, self.dtype)
+        return result
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "q8_0": 34 / 32}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        return f"{v:,.1f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ckpt = Path(args.model)
+        self.encode = W.load_encoder(self.ckpt)
+        self.results: dict[str, list] = {}
+        self.bandwidth = P.memory_bandwidth_gbs()["read_sum_gbs"]
+        log(f"memory bandwidth (read): {self.bandwidth:.1f} GB/s")
+
+    def engines(self) -> list[tuple[P.Peer, str]]:
+        chosen = set(self.args.engines.split(",")) if self.args.engines else None
+        pairs = []
+        for peer in [MinigptPeer(), *P.all_peers()]:
+            if chosen is not None and peer.name not in chosen:
+                continue
+            reason = peer.unavailable_reason()
+            if reason is not None:
+                log(f"skip {peer.name}: {reason}")
+                continue
+            dtypes = [d for d in peer.dtypes if not self.args.dtypes or d in self.args.dtypes.split(",")]
+            pairs += [(peer, d) for d in dtypes]
+        return pairs
+
+    def measured(self, fn, label: str):
+        P.wait_until_quiet(log=log)
+        with P.OtherLoad() as load:
+            out = fn()
+        if load.share > 0.1:
+            log(f"warning: other processes used {load.share:.0%} of the cores during {label}")
+        return out
+
+    def run(self) -> None:
+        wanted = self.args.workloads.split(",")
+        for peer, dtype in self.engines():
+            log(f"preparing {peer.name} {dtype}")
+            try:
+                peer.prepare(self.ckpt, dtype)
+            except Exception as err:  # a peer that fails to convert/load is reported, not fatal
+                log(f"skip {peer.name} {dtype}: {type(err).__name__}: {err}")
+                continue
+            for name in ("stream", "seed000", "seed002", "serving"):
+                if name in wanted:
+                    log(f"{name}: {peer.name} {dtype}")
+                    getattr(self, name)(peer, dtype)
+            peer.close()
+        self.report()
+
+    def stream(self, peer: P.Peer, dtype: str) -> None:
+        w = W.seed001(self.encode)
+        runs = self.measured(lambda: P.repeat(lambda: peer.run_stream(w.prompt.token_ids, w.max_new_tokens),
+                                              self.args.repeats), "stream")
+        r = P.median_stream(runs)
+        gbs = P.gpt2_decode_bytes(self.ckpt, BYTES_PER_PARAM.get(dtype, 4)) / r.tpot_s / 1e9
+        self.results.setdefault("stream", []).append({**asdict(r), "token_ids": None, "label": f"{peer.name} {dtype}",
+                                                      "gbs": gbs, "bandwidth_pct": 100 * gbs / self.bandwidth})
+
+    def seed000(self, peer: P.Peer, dtype: str) -> None:
+        w = W.seed000(self.encode, n_prompts=self.args.queries)
+        prompts = w.prompt_token_ids
+        base = prompts[: self.args.baseline_queries]
+        one = self.measured(lambda: peer.run_one_by_one(base, w.max_new_tokens), "one-by-one")
+        scale = len(prompts) / len(base)
+        batched = self.measured(lambda: P.median_batch(P.repeat(
+            lambda: peer.run_batch(prompts, w.max_new_tokens), self.args.repeats, warmup=0)), "batched")
+        for r, extrapolated in ((one, scale != 1), (batched, False)):
+            self.results.setdefault("seed000", []).append({
+                **asdict(r), "token_ids": None, "label": f"{peer.name} {dtype}", "tok_per_s": r.tok_per_s,
+                "est_seconds_all": r.seconds * (scale if extrapolated else 1), "extrapolated": extrapolated,
+                "avg_batch": r.tokens_generated / r.steps if r.steps else float("nan"),
+            })
+
+    def seed002(self, peer: P.Peer, dtype: str) -> None:
+        sizes = [int(b) for b in self.args.batch_sizes.split(",")]
+        for w in W.seed002(self.encode, sizes, max_new_tokens=self.args.sweep_tokens):
+            r = self.measured(lambda w=w: P.median_batch(P.repeat(
+                lambda: peer.run_batch(w.prompt_token_ids, w.max_new_tokens), self.args.repeats, warmup=0)),
+                w.name)
+            self.results.setdefault("seed002", []).append({
+                "label": f"{peer.name} {dtype}", "batch": len(w.prompts), "tok_per_s": r.tok_per_s,
+                "ms_per_step": 1000 * r.seconds / w.max_new_tokens,
+            })
+
+    def serving(self, peer: P.Peer, dtype: str) -> None:
+        for rate in [float(x) for x in self.args.rates.split(",")]:
+            w = W.serving(self.encode, rate, n_requests=self.args.serving_requests)
+            r = self.measured(lambda w=w, rate=rate: peer.run_serving(w.requests, rate), w.name)
+            self.results.setdefault("serving", []).append({"label": f"{peer.name} {dtype}", "mode": r.mode,
+                                                           **r.summary()})
+
+    def report(self) -> None:
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"Checkpoint {self.ckpt} | threads {P.THREADS} | memory read bandwidth {self.bandwidth:.1f} GB/s\n")
+        if rows := self.results.get("stream"):
+            print("### One stream (seed 001/003): 8-token prompt, 128 greedy tokens\n")
+            print(table(["engine", "TTFT ms", "TPOT ms", "tok/s", "GB/s", "% of bandwidth bound"],
+                        [[r["label"], 1000 * r["ttft_s"], 1000 * r["tpot_s"], r["tokens_generated"] / r["seconds"],
+                          r["gbs"], r["bandwidth_pct"]] for r in rows]) + "\n")
+        if rows := self.results.get("seed000"):
+            print(f"### Seed 000: {self.args.queries} concurrent queries x 64 greedy tokens\n")
+            print(table(["engine", "mode", "model calls/steps", "avg batch", "seconds (all queries)", "tok/s"],
+                        [[r["label"], r["mode"] + (" (extrapolated)" if r["extrapolated"] else ""), r["steps"],
+                          r["avg_batch"], r["est_seconds_all"], r["tok_per_s"]] for r in rows]) + "\n")
+        if rows := self.results.get("seed002"):
+            print(f"### Seed 002: batch-size sweep, {self.args.sweep_tokens} greedy tokens\n")
+            print(table(["engine", "batch", "tok/s", "ms per step"],
+                        [[r["label"], r["batch"], r["tok_per_s"], r["ms_per_step"]] for r in rows]) + "\n")
+            self.plot(rows, out / "seed002.png")
+        if rows := self.results.get("serving"):
+            print("### Serving: Poisson arrivals, mixed prompt/output lengths\n")
+            print(table(["engine", "mode", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+                         "tok/s"],
+                        [[r["label"], r["mode"], r["rate"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"],
+                          r["tpot_p99_ms"], r["tok_per_s"]] for r in rows]) + "\n")
+        path = out / "bench.json"
+        path.write_text(json.dumps({"checkpoint": str(self.ckpt), "threads": P.THREADS,
+                                    "bandwidth_gbs": self.bandwidth, **self.results}, indent=2))
+        log(f"wrote {path}")
+
+    @staticmethod
+    def plot(rows: list[dict], path: Path) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log("no matplotlib: skipping the plot (pip install 'minigpt[plots]')")
+            return
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for label in dict.fromkeys(r["label"] for r in rows):
+            mine = [r for r in rows if r["label"] == label]
+            ax1.plot([r["batch"] for r in mine], [r["tok_per_s"] for r in mine], marker="o", label=label)
+            ax2.plot([r["batch"] for r in mine], [r["ms_per_step"] for r in mine], marker="o", label=label)
+        for ax, ylabel in ((ax1, "throughput (tok/s)"), (ax2, "latency per token (ms per step)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        ax1.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        log(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a local GPT-2 checkpoint directory")
+    parser.add_argument("--workloads", default="stream,seed000,seed002,serving")
+    parser.add_argument("--engines", default=None, help="comma list: minigpt,transformers,ctranslate2,llama.cpp")
+    parser.add_argument("--dtypes", default=None, help="comma list to restrict to (e.g. float32,int8)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--queries", type=int, default=100, help="seed 000: concurrent queries")
+    parser.add_argument("--baseline-queries", type=int, default=10,
+                        help="seed 000: queries timed one at a time (the rest extrapolated)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, W.BATCH_SIZES)))
+    parser.add_argument("--sweep-tokens", type=int, default=32, help="seed 002: tokens per prompt")
+    parser.add_argument("--rates", default="2,8", help="serving: requests per second")
+    parser.add_argument("--serving-requests", type=int, default=32)
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    if not (Path(args.model) / "config.json").exists():
+        parser.error(f"{args.model} is not a checkpoint directory (python scripts/make_checkpoint.py DIR writes one)")
+    Bench(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
