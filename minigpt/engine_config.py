@@ -6,6 +6,7 @@ The defaults let dozens of concurrent requests batch with no tuning on a laptop-
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 
 QUANTIZATIONS = (None, "int8")
@@ -57,3 +58,29 @@ class EngineConfig:
 def _check_positive(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags every command line takes (generate, serve), defaults from EngineConfig."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
+    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
+    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
+    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
+    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
+                        help="queued requests beyond which new ones are refused at once")
+
+
+def engine_args_from(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
+    return dict(
+        dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+        num_threads=args.threads, max_waiting=args.max_waiting,
+    )

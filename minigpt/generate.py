@@ -16,7 +16,7 @@ import logging
 import sys
 
 from minigpt.engine import LLM, RequestOutput
-from minigpt.engine_config import EngineConfig
+from minigpt.engine_config import add_engine_arguments, engine_args_from
 from minigpt.sampling import SamplingParams
 
 
@@ -36,15 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
-    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
-    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
-    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
-    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.add_argument("--quiet", action="store_true", help="no engine report or progress on stderr")
     return parser
@@ -86,11 +78,7 @@ def run(args: argparse.Namespace) -> None:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    with LLM(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend, num_threads=args.threads,
-    ) as llm:
+    with LLM(args.model, **engine_args_from(args)) as llm:
         if len(prompts) == 1 and not args.json:
             sys.stdout.write(prompts[0])
             for delta in llm.stream(prompts[0], params):

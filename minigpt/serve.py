@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from minigpt.engine_config import EngineConfig
+from minigpt.engine_config import add_engine_arguments, engine_args_from
 
 MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
 
@@ -27,28 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
-    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
-    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
-    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
-    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
-                        help="queued requests beyond which new ones get 503")
+    add_engine_arguments(parser)
     return parser
-
-
-def engine_args(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-        num_threads=args.threads, max_waiting=args.max_waiting,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="[minigpt] %(message)s", stream=sys.stderr)
     try:
-        llm = AsyncLLM(args.model, **engine_args(args))
+        llm = AsyncLLM(args.model, **engine_args_from(args))
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         print(f"minigpt.serve: error: {message}", file=sys.stderr)

@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import httpx
+from workloads import percentile  # scripts/ is on sys.path when this file runs
 
 WORDS = """the of and to in is that for it as was with be by on not he this are or his from at which but have an they
 you were her she there one all we their has been would will more if no when what so who said about out up them some
@@ -139,17 +140,6 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str:
     response = await client.get(url.rsplit("/completions", 1)[0] + "/models")
     response.raise_for_status()
     return response.json()["data"][0]["id"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linearly interpolated percentile, q in [0, 100]."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def summarize(results: list[Result], elapsed: float, num_planned: int) -> dict:

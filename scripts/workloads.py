@@ -15,7 +15,6 @@ one more adapter (see ``scripts/peers.py``: ``Peer``).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,40 +101,11 @@ class ServingWorkload:
 
 
 def load_encoder(checkpoint_dir: str | Path) -> Encode:
-    """GPT-2 byte-level BPE from the checkpoint's vocab.json/merges.txt, through tiktoken (no network).
+    """The checkpoint's own GPT-2 BPE (minigpt's tiktoken-backed tokenizer; no network), without
+    special-token parsing so every engine sees plain text ids."""
+    from minigpt.tokenizer import Tokenizer
 
-    GPT-2's token ids are BPE ranks, so vocab.json decoded back to bytes is tiktoken's rank table.
-    """
-    import tiktoken
-
-    ckpt = Path(checkpoint_dir)
-    vocab: dict[str, int] = json.loads((ckpt / "vocab.json").read_text(encoding="utf-8"))
-    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
-    special = {tok: i for tok, i in vocab.items() if tok.startswith("<|") and tok.endswith("|>")}
-    ranks = {
-        bytes(byte_of[ch] for ch in tok): i for tok, i in vocab.items() if tok not in special
-    }
-    enc = tiktoken.Encoding(
-        name=f"gpt2-{ckpt.name}",
-        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-        mergeable_ranks=ranks,
-        special_tokens=special,
-    )
-    return enc.encode_ordinary
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used in vocab.json."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+    return Tokenizer.from_dir(checkpoint_dir).encoding.encode_ordinary
 
 
 def make_prompt(encode: Encode, n_tokens: int, rng: random.Random) -> Prompt:

@@ -449,10 +449,11 @@ def test_cli_without_the_server_extra(monkeypatch, capsys):
 
 def test_cli_flags_cover_the_engine():
     from minigpt import serve
+    from minigpt.engine_config import engine_args_from
 
     args = serve.build_parser().parse_args(["--model", "m", "--max-waiting", "3", "--kv-cache-tokens", "256"])
     assert args.host == "127.0.0.1"
-    config = EngineConfig(**serve.engine_args(args))
+    config = EngineConfig(**engine_args_from(args))
     assert (config.max_waiting, config.kv_cache_tokens) == (3, 256)
 
 
