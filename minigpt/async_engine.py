@@ -220,6 +220,11 @@ class AsyncLLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread serves requests (False after close() or a crash of its loop)."""
+        return not self._closed and self._thread.is_alive()
+
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
         a full queue QueueFullError."""

@@ -352,7 +352,7 @@ class LLM:
         self.config = EngineConfig(**engine_args)
         self.engine = Engine(model, self.config)
         self.tokenizer = self.engine.tokenizer
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: generate() inside a stream() loop must not deadlock
         self._closed = False
 
     def generate(

@@ -315,3 +315,10 @@ def test_metrics_export_as_prometheus_text(async_llm):
     assert 'minigpt_time_to_first_token_seconds_bucket{le="+Inf"} 1\n' in text
     assert "minigpt_time_per_output_token_seconds_count 1\n" in text
     assert "# TYPE minigpt_kv_blocks_used gauge\n" in text
+
+
+def test_is_running_follows_close(tiny_checkpoint):
+    llm = AsyncLLM(str(tiny_checkpoint), kv_cache_tokens=256)
+    assert llm.is_running
+    llm.close()
+    assert not llm.is_running

@@ -216,3 +216,15 @@ def test_close_and_context_manager(tiny_checkpoint):
 def test_unknown_engine_argument(tiny_checkpoint):
     with pytest.raises(TypeError, match="kv_cache_tokenz"):
         LLM(str(tiny_checkpoint), kv_cache_tokenz=4)
+
+
+def test_generate_inside_a_stream_loop(tiny_checkpoint):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_checkpoint)) as llm:
+        alone = llm.generate(["inner"], params)[0].token_ids
+        streamed = ""
+        for delta in llm.stream("outer prompt", params):
+            streamed += delta
+            assert llm.generate(["inner"], params)[0].token_ids == alone
+        assert streamed == llm.generate(["outer prompt"], params)[0].text
+        _assert_all_free(llm)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
 from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
@@ -46,8 +46,10 @@ def build_app(
     app.include_router(v1)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not llm.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
