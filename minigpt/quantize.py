@@ -21,6 +21,9 @@ class Int8Linear(nn.Module):
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.register_buffer("weight", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
+        # The CPU kernel takes half-precision activations and scales of the same dtype: keep those
+        # scales ready instead of converting them on every call.
+        self.register_buffer("half_scales", scales.to(_half_dtype(linear.weight.dtype)))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
@@ -29,13 +32,17 @@ class Int8Linear(nn.Module):
         if flat.device.type == "cpu":
             # torch's CPU int8 kernel is vectorized for half activations only (fp32 input measured
             # ~10x slower), so fp32 activations pass through bf16 for this product.
-            half = flat if flat.dtype != torch.float32 else flat.to(torch.bfloat16)
-            out = torch.ops.aten._weight_int8pack_mm(half, self.weight, self.scales.to(half.dtype)).to(flat.dtype)
+            half = flat.to(self.half_scales.dtype)
+            out = torch.ops.aten._weight_int8pack_mm(half, self.weight, self.half_scales).to(flat.dtype)
         else:
             out = F.linear(flat, self.weight.to(flat.dtype)) * self.scales.to(flat.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _half_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
