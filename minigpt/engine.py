@@ -239,7 +239,9 @@ class Engine:
             self._record_prompt_logprobs(seq, logits[row : row + len(positions)], positions)
         sampled = inputs.sample_seqs
         if sampled:
-            out = self.sampler(logits[to_device(inputs.sample_rows, torch.int64, self.device)], sampled)
+            if inputs.prompt_logprob_rows:  # logits also hold prompt positions: keep the sampled rows
+                logits = logits[to_device(inputs.sample_rows, torch.int64, self.device)]
+            out = self.sampler(logits, sampled)
             logprobs = out.logprobs or [None] * len(sampled)
             for seq, token, lp in zip(sampled, out.token_ids, logprobs, strict=True):
                 seq.append(token, lp)
