@@ -613,8 +613,9 @@ class LlamaCppPeer(Peer):
     dtypes = ("float32", "bfloat16", "q8_0")
     _OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}
 
-    def __init__(self, n_batch: int = 2048, n_ubatch: int = 512) -> None:
+    def __init__(self, n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False) -> None:
         super().__init__()
+        self.kv_unified = kv_unified
         self.lib: Any = None
         self.model: Any = None
         self.gguf: Path | None = None
@@ -676,6 +677,11 @@ class LlamaCppPeer(Peer):
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
 
     def _context(self, n_ctx: int, n_seq: int) -> Any:
+        """A context with ``n_seq`` KV streams of ``n_ctx / n_seq`` cells each.
+
+        Not unified: with one shared cache every token attends over all cells of all sequences
+        (masked), which makes a step O(batch x total tokens); separate streams keep it O(own length).
+        """
         lib = self.lib
         cp = lib.llama_context_default_params()
         cp.n_ctx = n_ctx
@@ -684,7 +690,7 @@ class LlamaCppPeer(Peer):
         cp.n_seq_max = n_seq
         cp.n_threads = THREADS
         cp.n_threads_batch = THREADS
-        cp.kv_unified = True
+        cp.kv_unified = self.kv_unified
         cp.no_perf = True
         ctx = lib.llama_init_from_model(self.model, cp)
         if not ctx:
@@ -700,9 +706,8 @@ class LlamaCppPeer(Peer):
 
         lib = self.lib
         n_parallel = max(1, min(n_parallel, len(seqs), 256))
-        longest = max(len(s.prompt) + s.max_new for s in seqs)
-        n_ctx = -(-n_parallel * longest // 256) * 256
-        ctx = self._context(n_ctx, n_parallel)
+        longest = -(-max(len(s.prompt) + s.max_new for s in seqs) // 256) * 256
+        ctx = self._context(n_parallel * longest, n_parallel)
         mem = lib.llama_get_memory(ctx)
         batch = _Batch(lib, self.n_batch)
         waiting = deque(sorted(seqs, key=lambda s: s.arrival_s))
@@ -808,7 +813,7 @@ class LlamaCppPeer(Peer):
         n_ctx = -(-max(npl) * (npp + ntg) // 256) * 256
         cmd = [exe, "-m", str(self.gguf), "-c", str(n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_ubatch),
                "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), "-t", str(THREADS),
-               "-tb", str(THREADS), "--kv-unified"]
+               "-tb", str(THREADS)] + (["--kv-unified"] if self.kv_unified else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         rows = []
         cols = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s"]
