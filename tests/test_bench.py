@@ -1,0 +1,29 @@
+"""scripts/bench.py runs end to end (minigpt only, tiny checkpoint): the tables and JSON it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke(checkpoint_factory, tmp_path):
+    checkpoint = checkpoint_factory(n_positions=512)  # serving prompts reach 300 + 128 tokens
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(checkpoint), "--engines", "minigpt",
+         "--dtypes", "float32", "--workloads", "stream,seed000,seed002,serving", "--queries", "6",
+         "--baseline-queries", "2", "--batch-sizes", "1,4", "--sweep-tokens", "4", "--rates", "20",
+         "--serving-requests", "4", "--repeats", "1", "--no-wait", "--out", str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for heading in ("One stream", "Seed 000", "Seed 002", "Serving"):
+        assert heading in result.stdout
+    data = json.loads((tmp_path / "bench.json").read_text())
+    batched = [r for r in data["seed000"] if r["mode"].startswith("continuous")][0]
+    assert batched["tokens_generated"] == 6 * 64 and batched["avg_batch"] > 1
+    assert all(r["tokens_generated"] == 128 for r in data["stream"])
+    assert len(data["serving"]) == 1 and data["serving"][0]["requests"] == 4
