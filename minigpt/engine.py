@@ -128,10 +128,10 @@ class Engine:
         path = resolve_checkpoint(model)
         self.tokenizer = Tokenizer.from_dir(path)
         self.model = load_model(path, dtype=dtype, device=device)
-        if config.quantize == "int8":
-            from minigpt.quantize import quantize_int8
+        if config.quantize is not None:
+            from minigpt.quantize import quantize
 
-            quantize_int8(self.model)
+            quantize(self.model, config.quantize)
         self.model_config = self.model.config
         self.device = device
         self.backend = select_backend(config.attention_backend, device)

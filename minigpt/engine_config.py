@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto | torch | triton: auto takes Triton on CUDA when it imports, torch elsewhere."""
     quantize: str | None = None
-    """None | int8 (weight-only int8 linears)."""
+    """None | int8 (weight-only int8 linears) | w8a8 (int8 weights and per-token int8 activations)."""
     num_threads: int | None = None
     """torch CPU threads; None keeps torch's default (one per core)."""
     max_waiting: int = 4096
@@ -65,7 +65,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
     engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
-    engine.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 linears")
+    engine.add_argument("--quantize", default=None, choices=["int8", "w8a8"],
+                        help="int8: weight-only int8 linears; w8a8: int8 weights and activations")
     engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)

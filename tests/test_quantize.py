@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
 from minigpt.model import GPT2
-from minigpt.quantize import Int8Linear, quantize_int8
+from minigpt.quantize import Int8Linear, W8A8Linear, quantize
 
 
 def test_int8_linear_matches_dequantized_weights():
@@ -23,7 +24,7 @@ def test_int8_linear_matches_dequantized_weights():
 def test_int8_model_logits_close_to_fp32(tiny_checkpoint):
     """Stated tolerance: max |logit error| <= 5% of the logit range; top-1 agrees on >= 90% of positions."""
     fp32 = GPT2.from_pretrained(tiny_checkpoint)
-    int8 = quantize_int8(GPT2.from_pretrained(tiny_checkpoint))
+    int8 = quantize(GPT2.from_pretrained(tiny_checkpoint), "int8")
     assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
     ids = torch.randint(0, 50257, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -39,3 +40,40 @@ def test_engine_with_int8(tiny_checkpoint):
         alone = llm.generate(["Hello there"], params)[0]
     assert [len(o.token_ids) for o in outs] == [8, 8]
     assert alone.token_ids == outs[0].token_ids
+
+
+def test_w8a8_linear_is_per_row_and_close():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    q = W8A8Linear(linear)
+    x = torch.randn(6, 64)
+    x[3] *= 100  # one row with a far larger range must not change the others' results
+    batched = q(x)
+    for i in range(6):
+        torch.testing.assert_close(q(x[i : i + 1])[0], batched[i])
+    torch.testing.assert_close(batched, linear(x), rtol=0.05, atol=0.05 * linear(x).abs().max().item())
+
+
+def test_w8a8_model_logits_close_to_fp32(tiny_checkpoint):
+    """Stated tolerance: max |logit error| <= 5% of the logit range; top-1 agrees on >= 90% of positions."""
+    fp32 = GPT2.from_pretrained(tiny_checkpoint)
+    w8a8 = quantize(GPT2.from_pretrained(tiny_checkpoint), "w8a8")
+    ids = torch.randint(0, 50257, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = fp32(ids), w8a8(ids)
+    assert (got - ref).abs().max() / ref.abs().max() < 0.05
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_engine_with_w8a8_is_batch_invariant(tiny_checkpoint):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = ["Hello there", "Another prompt, longer than the first one", "x"]
+    with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
+        batched = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+def test_unknown_quantization():
+    with pytest.raises(ValueError, match="quantize"):
+        quantize(torch.nn.Sequential(torch.nn.Linear(2, 2)), "int4")
