@@ -44,7 +44,7 @@ class MinigptPeer(P.Peer):
     """minigpt through its public API: LLM.generate for batches, AsyncLLM for serving."""
 
     name = "minigpt"
-    dtypes = ("float32", "bfloat16", "int8")
+    dtypes = ("float32", "bfloat16", "int8", "w8a8")
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,8 +54,8 @@ class MinigptPeer(P.Peer):
         return None
 
     def _engine_args(self, dtype: str) -> dict:
-        if dtype == "int8":
-            return {"dtype": "float32", "quantize": "int8", "num_threads": P.THREADS}
+        if dtype in ("int8", "w8a8"):
+            return {"dtype": "float32", "quantize": dtype, "num_threads": P.THREADS}
         return {"dtype": dtype, "num_threads": P.THREADS}
 
     def prepare(self, checkpoint_dir: str | Path, dtype: str) -> None:
@@ -136,7 +136,7 @@ class MinigptPeer(P.Peer):
             self.llm = None
 
 
-BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "q8_0": 34 / 32}
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "w8a8": 1, "q8_0": 34 / 32}
 
 
 def table(headers: list[str], rows: list[list]) -> str:
