@@ -167,7 +167,8 @@ class Bench:
             if reason is not None:
                 log(f"skip {peer.name}: {reason}")
                 continue
-            dtypes = [d for d in peer.dtypes if not self.args.dtypes or d in self.args.dtypes.split(",")]
+            wanted = self.args.dtypes.split(",") if self.args.dtypes else None
+            dtypes = [d for d in peer.dtypes if wanted is None or d in wanted or f"{peer.name}:{d}" in wanted]
             pairs += [(peer, d) for d in dtypes]
         return pairs
 
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a local GPT-2 checkpoint directory")
     parser.add_argument("--workloads", default="stream,seed000,seed002,serving")
     parser.add_argument("--engines", default=None, help="comma list: minigpt,transformers,ctranslate2,llama.cpp")
-    parser.add_argument("--dtypes", default=None, help="comma list to restrict to (e.g. float32,int8)")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma list to restrict to: dtypes (float32,int8) or engine:dtype (minigpt:w8a8)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--queries", type=int, default=100, help="seed 000: concurrent queries")
     parser.add_argument("--baseline-queries", type=int, default=10,
