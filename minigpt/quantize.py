@@ -55,9 +55,9 @@ class W8A8Linear(Int8Linear):
         quantized = torch.round(flat / row_scales).to(torch.int8)
         # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
         # torch's int8 matmul reads fastest (measured ~1.3-2x over a contiguous [in, out] copy).
-        out = torch._int_mm(quantized, self.weight.t()).float() * row_scales * self.scales.float()
+        out = torch._int_mm(quantized, self.weight.t()).float().mul_(row_scales).mul_(self.scales)
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
