@@ -202,10 +202,7 @@ class AsyncLLM:
     Also a context manager; `close()` ends pending requests with finish_reason "abort"."""
 
     def __init__(self, model: str, **engine_args) -> None:
-        unknown = set(engine_args) - set(EngineConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown AsyncLLM argument(s): {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(**engine_args)
+        self.config = EngineConfig.from_kwargs("AsyncLLM", engine_args)
         self.engine = Engine(model, self.config)
         self._metrics = MetricsCollector(self.engine.blocks.num_blocks)
         self.engine.on_step = lambda batch, sampled: self._metrics.record_step(len(batch.chunks), len(sampled))

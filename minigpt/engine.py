@@ -348,10 +348,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args) -> None:
-        unknown = set(engine_args) - set(EngineConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(**engine_args)
+        self.config = EngineConfig.from_kwargs("LLM", engine_args)
         self.engine = Engine(model, self.config)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.RLock()  # re-entrant: generate() inside a stream() loop must not deadlock

@@ -54,6 +54,14 @@ class EngineConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def from_kwargs(cls, owner: str, kwargs: dict) -> EngineConfig:
+        """The config for `owner(model, **kwargs)`, naming any argument that is not a field."""
+        unknown = set(kwargs) - set(cls.field_names())
+        if unknown:
+            raise TypeError(f"unknown {owner} argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
 
 def _check_positive(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
