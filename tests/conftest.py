@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from minigpt.tokenizer import gpt2_vocab_files
 
@@ -60,6 +60,18 @@ def write_hf_checkpoint(path: Path, layout: str = "hf", seed: int = 0, **config_
     vocab, merges = gpt2_vocab_files()
     shutil.copyfile(vocab, path / "vocab.json")
     shutil.copyfile(merges, path / "merges.txt")
+    return path
+
+
+def with_residual_outliers(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose residual stream has one dimension past fp16's 65504, as
+    GPT-2's outlier features are in engines that keep it in half precision (two-layer checkpoints)."""
+    path = shutil.copytree(src, dst)
+    state = load_file(path / "model.safetensors")
+    state["transformer.wpe.weight"][:, 0] = 30000.0
+    for layer in range(2):
+        state[f"transformer.h.{layer}.mlp.c_proj.bias"][0] = 40000.0
+    save_file(state, path / "model.safetensors")
     return path
 
 

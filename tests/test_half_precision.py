@@ -24,7 +24,6 @@ path at near-ties: at the three bf16 divergences above the fp32 gap was 0.08-0.1
 from __future__ import annotations
 
 import random
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 from minigpt import LLM, SamplingParams
 
-from conftest import hf_model
+from conftest import hf_model, with_residual_outliers
 
 CONFIGS = {"default": {}, "odd-heads": dict(n_head=3, n_embd=48)}
 LENGTHS = [1, 7, 16, 29, 50]  # one token, inside a page, page multiples, several pages (block_size=8)
@@ -141,14 +140,7 @@ def test_fp16_engine_survives_residual_outliers(tmp_path, tiny_checkpoint):
     dense-path test, which shows transformers' all-half forward turning to inf/NaN on these weights):
     the fp32 residual stream keeps every logit finite. Measured: top-1 agreement 1.0 over 120 positions,
     max error 2.9e-4 of the logit range."""
-    from safetensors.torch import load_file, save_file
-
-    path = shutil.copytree(tiny_checkpoint, tmp_path / "outliers")
-    state = load_file(path / "model.safetensors")
-    state["transformer.wpe.weight"][:, 0] = 30000.0
-    for layer in range(2):
-        state[f"transformer.h.{layer}.mlp.c_proj.bias"][0] = 40000.0
-    save_file(state, path / "model.safetensors")
+    path = with_residual_outliers(tiny_checkpoint, tmp_path / "outliers")
     ref, prompts = hf_model(path), _prompts()
     agree, errors = [], []
     for prompt, (tokens, got) in zip(prompts, run_engine(path, "float16", prompts), strict=True):

@@ -7,7 +7,7 @@ import torch
 
 from minigpt.model import GPT2
 
-from conftest import hf_model
+from conftest import hf_model, with_residual_outliers
 
 CONFIGS = {
     "default": {},
@@ -109,16 +109,7 @@ def test_fp16_survives_residual_outliers(tmp_path, tiny_checkpoint):
     """GPT-2's residual stream has outlier dimensions that overflow fp16 (max 65504) in engines
     that keep it in half precision (NaN, then a stream of "!"). Here one dimension is pushed past
     that on purpose: the fp32 residual keeps fp16 logits finite and close to fp32."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    path = shutil.copytree(tiny_checkpoint, tmp_path / "outliers")
-    state = load_file(path / "model.safetensors")
-    state["transformer.wpe.weight"][:, 0] = 30000.0
-    for layer in range(2):
-        state[f"transformer.h.{layer}.mlp.c_proj.bias"][0] = 40000.0
-    save_file(state, path / "model.safetensors")
+    path = with_residual_outliers(tiny_checkpoint, tmp_path / "outliers")
     ids = _ids(50257, (2, 24))
     with torch.no_grad():
         ref = GPT2.from_pretrained(path)(ids)
