@@ -68,9 +68,12 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        admitted_requests: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             use_cache = seq.params.prompt_logprobs is None  # scoring needs every prompt position computed
+            if seq.request_id in admitted_requests and use_cache and self._shareable(seq):
+                break  # a sibling completion (n > 1) waits one step, then reuses the prompt's pages
             cached = self.blocks.match_prefix(seq.token_ids) if use_cache else []
             num_cached = len(cached) * self.blocks.block_size
             chunk = min(len(seq.token_ids) - num_cached, budget)
@@ -85,6 +88,11 @@ class Scheduler:
             self.running.append(seq)
             batch.chunks.append((seq, chunk))
             budget -= chunk
+            admitted_requests.add(seq.request_id)
+
+    def _shareable(self, seq: Sequence) -> bool:
+        """Whether seq's prompt has a full block another sequence could share from the prefix cache."""
+        return self.blocks.enable_prefix_caching and len(seq.token_ids) - 1 >= self.blocks.block_size
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

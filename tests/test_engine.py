@@ -228,3 +228,17 @@ def test_generate_inside_a_stream_loop(tiny_checkpoint):
             assert llm.generate(["inner"], params)[0].token_ids == alone
         assert streamed == llm.generate(["outer prompt"], params)[0].text
         _assert_all_free(llm)
+
+
+def test_n_completions_share_the_prompt_pages(tiny_checkpoint):
+    prompt = _prompts([40], seed=21)[0]  # two full blocks of 16
+    params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=5, ignore_eos=True)
+    with LLM(str(tiny_checkpoint)) as llm:
+        out = llm.generate([prompt], params)[0]
+        assert llm.engine.blocks.num_hit_blocks == 2 * 2  # the two siblings reuse both full blocks
+        assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+        _assert_all_free(llm)
+    with LLM(str(tiny_checkpoint), enable_prefix_caching=False) as llm:
+        again = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
