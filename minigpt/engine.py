@@ -27,6 +27,7 @@ from minigpt.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logp
 from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
+from minigpt.transfer import to_device
 from minigpt.weights import load_model, resolve_checkpoint, resolve_device, resolve_dtype
 
 logger = logging.getLogger("minigpt")
@@ -316,14 +317,6 @@ class Engine:
 
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A step input built from host values. On CUDA through pinned memory and an async copy: a copy from
-    pageable memory synchronizes the stream, so the host could not queue a step while the GPU runs one."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from minigpt.transfer import to_device
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, per token (OpenAI's limit)
 
 
@@ -267,7 +269,7 @@ def _penalised(p: SamplingParams) -> bool:
 
 
 def _tensor(values: list, dtype: torch.dtype, like: Tensor) -> Tensor:
-    return torch.tensor(values, dtype=dtype, device=like.device)
+    return to_device(values, dtype, like.device)
 
 
 def _id_counts(ids: list[list[int]], batch: int, vocab: int, like: Tensor) -> Tensor:
@@ -369,8 +371,8 @@ def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
     The uniform u = (hash + 1/2) / 2**32 lies strictly inside (0, 1), so the noise is finite; fp64
     keeps all 32 bits, so only ids over ~26 nats below the best can never win (fp32: ~19).
     """
-    lo = torch.tensor([k & _MASK32 for k in keys], dtype=torch.int64, device=ids.device)[:, None]
-    hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=ids.device)[:, None]
+    lo = to_device([k & _MASK32 for k in keys], torch.int64, ids.device)[:, None]
+    hi = to_device([k >> 32 for k in keys], torch.int64, ids.device)[:, None]
     h = _fmix32((_fmix32(ids ^ lo) + hi) & _MASK32)  # two rounds: every key bit reaches every output bit
     u = (h.to(torch.float64) + 0.5) * 2.0**-32
     return -torch.log(-torch.log(u))
