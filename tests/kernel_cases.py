@@ -6,17 +6,12 @@ importing triton and only runs in a process of its own (pytest does not collect 
 Run directly with ``python -m pytest -q tests/kernel_cases.py``.
 """
 
-import os
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
+from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, import_triton_for_tests, make_pages
 
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: run this file on its own")
+import_triton_for_tests()
 
 from minigpt.kernels import kv_store, paged_attention, reference  # noqa: E402
 

@@ -1,11 +1,27 @@
-"""Inputs and tolerances shared by the kernel tests (``test_kernels.py``, ``kernel_cases.py``). No triton."""
+"""Inputs and tolerances shared by the kernel tests (``test_kernels.py``, ``kernel_cases.py``). No triton
+import at module level."""
 
 import math
+import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def import_triton_for_tests():
+    """Import triton for a child-process test module: on the CPU under its interpreter, which has to be
+    switched on before triton's first import (``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates)."""
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    triton = pytest.importorskip("triton")
+    if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: run this file on its own")
+    return triton
+
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernel vs reference, and reference vs float64 attention on the same inputs: both accumulate in fp32,
 # so the outputs differ by about one rounding to the output dtype (|out| stays below ~4 here).

@@ -7,18 +7,13 @@ it before importing triton, so it only runs in a fresh process (no ``test_`` pre
 collect it). Run directly with ``python -m pytest -q tests/triton_engine_case.py``.
 """
 
-import os
 import random
 
 import pytest
 import torch
+from kernel_inputs import DEVICE, import_triton_for_tests
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: run this file on its own")
+import_triton_for_tests()
 
 from minigpt import LLM, SamplingParams  # noqa: E402
 from minigpt.model import GPT2  # noqa: E402
