@@ -144,6 +144,11 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {config.block_size} tokens")
         self.pool = KVPool(self.model_config, num_blocks, config.block_size, dtype, device)
+        self.decode_graph = None
+        if config.compile:
+            from minigpt.decode_graph import DecodeGraph
+
+            self.decode_graph = DecodeGraph(self.model, self.pool.kv)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id
@@ -156,6 +161,8 @@ class Engine:
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             num_blocks, config.block_size, self.pool.num_tokens, self.pool.nbytes / 2**20, config.dtype,
         )
+        if self.decode_graph is not None:
+            self.decode_graph.warmup()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -220,20 +227,19 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
             return []
+        scheduled = time.perf_counter()
+        for seq, _ in batch.chunks:
+            if seq.timings.first_scheduled is None:
+                seq.timings.first_scheduled = scheduled
         inputs = self._prepare(batch.chunks)
         try:
-            logits = self.model.forward_step(
-                inputs.input_ids, inputs.positions, self.pool.kv, inputs.meta, self.backend, inputs.logits_indices
-            )
+            logits = self._forward(inputs)
         except Exception as err:
             for seq, _ in batch.chunks:
                 seq.fail(f"{type(err).__name__}: {err}")
                 self.scheduler.finish(seq)
             raise
-        now = time.perf_counter()
         for seq, chunk in batch.chunks:
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = now
             seq.num_computed_tokens += chunk
             self.blocks.register_full_blocks(seq)
         for seq, row, positions in inputs.prompt_logprob_rows:
@@ -253,6 +259,17 @@ class Engine:
         if self.on_step is not None:
             self.on_step(batch, sampled)
         return sampled
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        if self.decode_graph is not None and not meta.prefills:  # decode only: one logits row per sequence
+            return self.decode_graph(
+                inputs.input_ids, inputs.positions, meta.decode_block_tables, meta.decode_context_lens,
+                meta.slot_mapping,
+            )
+        return self.model.forward_step(
+            inputs.input_ids, inputs.positions, self.pool.kv, meta, self.backend, inputs.logits_indices
+        )
 
     def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.config.block_size

@@ -38,6 +38,10 @@ class EngineConfig:
     """None | int8 (weight-only int8 linears) | w8a8 (int8 weights and per-token int8 activations)."""
     num_threads: int | None = None
     """torch CPU threads; None keeps torch's default (one per core)."""
+    compile: bool = False
+    """Run decode steps through one torch.compile'd graph (minigpt/decode_graph.py): much faster
+    decoding, at the cost of compiling when the engine starts (up to a minute the first time;
+    torch's on-disk cache makes later starts take seconds)."""
     max_waiting: int = 4096
     """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
 
@@ -81,6 +85,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    engine.add_argument("--compile", action="store_true",
+                        help="compile the decode step with torch.compile (faster decoding, ~1 min to start)")
     engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="queued requests beyond which new ones are refused at once")
 
@@ -91,5 +97,5 @@ def engine_args_from(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-        num_threads=args.threads, max_waiting=args.max_waiting,
+        num_threads=args.threads, max_waiting=args.max_waiting, compile=args.compile,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,27 @@ def hf_model(path: Path):
     from transformers import GPT2LMHeadModel
 
     return GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def random_prompts(lengths: list[int], vocab: int = 50257, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(ref, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy `generate` continuation of one prompt, EOS ignored."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_all_free(llm) -> None:
+    """Every page is back in the pool and no request is left in the scheduler."""
+    info = llm.kv_cache_info
+    assert info["blocks_in_use"] == 0, info
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
 @pytest.fixture(scope="session")

@@ -3,33 +3,11 @@ give exactly what transformers' greedy `generate` gives for each request alone (
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from minigpt import LLM, SamplingParams
 
-from conftest import hf_model
-
-
-def _prompts(lengths: list[int], vocab: int = 50257, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _hf_greedy(ref, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _assert_all_free(llm: LLM) -> None:
-    info = llm.kv_cache_info
-    assert info["blocks_in_use"] == 0, info
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +22,8 @@ MAX_TOKENS = [12, 5, 20, 1, 16, 9, 24, 3, 28, 28]
 
 @pytest.fixture(scope="module")
 def expected(reference):
-    prompts = _prompts(LENGTHS)
-    return prompts, [_hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+    prompts = random_prompts(LENGTHS)
+    return prompts, [hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
@@ -72,7 +50,7 @@ def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_ar
     prompts, want = expected
     with LLM(str(tiny_checkpoint), **engine_args) as llm:
         assert _run(llm, prompts) == want
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 def test_tiny_pool_really_preempts(tiny_checkpoint, expected):
@@ -91,23 +69,23 @@ def test_each_request_alone_equals_batched(tiny_checkpoint, expected):
 
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference):
-    shared = _prompts([40], seed=7)[0]
-    prompts = [shared + tail for tail in _prompts([3, 9, 17], seed=8)] + [shared]
-    want = [_hf_greedy(reference, p, 10) for p in prompts]
+    shared = random_prompts([40], seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 17], seed=8)] + [shared]
+    want = [hf_greedy(reference, p, 10) for p in prompts]
     with LLM(str(tiny_checkpoint)) as llm:
         first = llm.generate(prompts[:1], SamplingParams(max_tokens=10, ignore_eos=True))
         rest = llm.generate(prompts[1:], SamplingParams(max_tokens=10, ignore_eos=True))
         assert llm.engine.blocks.num_hit_blocks >= 3 * 2  # 40 shared tokens = 2 full blocks of 16
         assert [o.token_ids for o in first + rest] == want
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 def test_prompt_at_full_context(tiny_checkpoint, reference):
     n_positions = 128
-    prompt = _prompts([n_positions - 8], seed=3)[0]
+    prompt = random_prompts([n_positions - 8], seed=3)[0]
     with LLM(str(tiny_checkpoint)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    assert out.token_ids == _hf_greedy(reference, prompt, 8)
+    assert out.token_ids == hf_greedy(reference, prompt, 8)
 
 
 def test_text_prompts_and_token_prompts_agree(tiny_checkpoint):
@@ -121,7 +99,7 @@ def test_text_prompts_and_token_prompts_agree(tiny_checkpoint):
 
 def test_outputs_in_input_order_with_timings(tiny_checkpoint):
     with LLM(str(tiny_checkpoint)) as llm:
-        prompts = _prompts([30, 1, 12])
+        prompts = random_prompts([30, 1, 12])
         outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 9, 5)])
     assert [o.prompt_token_ids for o in outs] == prompts
     assert [len(o.token_ids) for o in outs] == [2, 9, 5]
@@ -134,10 +112,10 @@ def test_pool_is_allocated_once(tiny_checkpoint):
         pool = llm.engine.pool.kv
         ptr, shape = pool.data_ptr(), pool.shape
         for seed in range(3):
-            llm.generate(_prompts([5, 40, 70], seed=seed), SamplingParams(max_tokens=20, ignore_eos=True))
+            llm.generate(random_prompts([5, 40, 70], seed=seed), SamplingParams(max_tokens=20, ignore_eos=True))
         assert llm.engine.pool.kv.data_ptr() == ptr and llm.engine.pool.kv.shape == shape
         assert llm.kv_cache_info["num_tokens"] == 512
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +132,7 @@ def test_bad_requests_are_refused_clearly(tiny_checkpoint, prompt, params, match
     with LLM(str(tiny_checkpoint)) as llm:
         with pytest.raises(ValueError, match=match):
             llm.generate([prompt], params)
-        _assert_all_free(llm)
+        assert_all_free(llm)
         assert llm.generate(["still works"], SamplingParams(max_tokens=2))[0].token_ids
 
 
@@ -165,12 +143,12 @@ def test_pool_too_small_for_one_request(tiny_checkpoint):
 
 
 def test_stop_token_and_eos(tiny_checkpoint, reference):
-    prompt = _prompts([10], seed=11)[0]
-    tokens = _hf_greedy(reference, prompt, 12)
+    prompt = random_prompts([10], seed=11)[0]
+    tokens = hf_greedy(reference, prompt, 12)
     with LLM(str(tiny_checkpoint)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[tokens[4]]))[0]
         assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[4]) + 1]
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 def test_stop_string_truncates_text(tiny_checkpoint):
@@ -191,7 +169,7 @@ def test_stream_deltas_join_to_generate_text(tiny_checkpoint):
         deltas = list(llm.stream("日本語のテキスト 🎉", params))
         assert "".join(deltas) == full
         assert all("\ufffd" not in d for d in deltas) or "\ufffd" in full
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 def test_big_vocab_never_samples_past_the_tokenizer(checkpoint_factory):
@@ -227,18 +205,18 @@ def test_generate_inside_a_stream_loop(tiny_checkpoint):
             streamed += delta
             assert llm.generate(["inner"], params)[0].token_ids == alone
         assert streamed == llm.generate(["outer prompt"], params)[0].text
-        _assert_all_free(llm)
+        assert_all_free(llm)
 
 
 def test_n_completions_share_the_prompt_pages(tiny_checkpoint):
-    prompt = _prompts([40], seed=21)[0]  # two full blocks of 16
+    prompt = random_prompts([40], seed=21)[0]  # two full blocks of 16
     params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=5, ignore_eos=True)
     with LLM(str(tiny_checkpoint)) as llm:
         out = llm.generate([prompt], params)[0]
         assert llm.engine.blocks.num_hit_blocks == 2 * 2  # the two siblings reuse both full blocks
         assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-        _assert_all_free(llm)
+        assert_all_free(llm)
     with LLM(str(tiny_checkpoint), enable_prefix_caching=False) as llm:
         again = llm.generate([prompt], params)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]

@@ -1,0 +1,114 @@
+"""The decode step as one pure function, compiled with torch.compile (`EngineConfig.compile`).
+
+Eager PyTorch pays for every op: GPT-2's ~40 small ops a layer cost more than its matrix-vector
+products at batch 1, and eager decode attention copies each sequence's pages (`index_select`)
+before SDPA reads them again. Compiled as one graph, inductor fuses the elementwise work
+(layernorms, activation quantization, GELU, residuals) and its attention loops read K/V straight
+from the pages, so the pool is read once and never copied.
+
+The function is pure: it reads the pool and returns the step's new K/V, which `DecodeGraph`
+writes into the pool after the call. A graph that wrote into its input pool would make inductor
+copy the whole pool back on every call. So the new token's own K/V is not in the pages yet: each
+query attends to the cached tokens (`context_len - 1` of them) and to itself, one softmax over
+both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from minigpt.model import GPT2
+
+logger = logging.getLogger("minigpt")
+
+
+def decode_step(
+    model: GPT2,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence -> (logits [B, vocab], new K/V [n_layer, 2, B, H, D]); reads, never writes, the pool.
+
+    kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W] pages of each sequence;
+    context_lens: [B] tokens including this step's. Scores, softmax and the weighted sum run in fp32.
+    Written as products and sums, not SDPA: that is the form inductor fuses with the page reads.
+    """
+    num_heads, head_dim = model.config.n_head, model.config.head_dim
+    batch = input_ids.shape[0]
+    length = block_tables.shape[1] * kv_pool.shape[3]
+    pages = block_tables.long()
+    cached = torch.arange(length, device=input_ids.device)[None, :] < (context_lens[:, None] - 1)  # (B, L)
+    x = model.wte(input_ids).float() + model.wpe(positions).float()
+    new_kv = []
+    for layer, block in enumerate(model.h):
+        attn = block.attn
+        q, k, v = attn.c_attn(block.ln_1(x).to(block.dtype)).view(batch, 3, num_heads, head_dim).unbind(1)
+        new_kv.append(torch.stack([k, v]))
+        q, k, v = q.float(), k.float(), v.float()
+        keys = kv_pool[layer, 0][pages].view(batch, length, num_heads, head_dim).float()
+        values = kv_pool[layer, 1][pages].view(batch, length, num_heads, head_dim).float()
+        scores = (q[:, None] * keys).sum(-1).mul(attn.scale).masked_fill(~cached[:, :, None], float("-inf"))
+        own = (q * k).sum(-1).mul(attn.scale)  # (B, H): the query against its own key
+        top = torch.maximum(scores.amax(1), own)
+        weights, own_weight = torch.exp(scores - top[:, None]), torch.exp(own - top)
+        total = weights.sum(1) + own_weight
+        y = ((weights[..., None] * values).sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
+        x = x + attn.c_proj(y.to(block.dtype).reshape(batch, -1))
+        x = x + block.mlp(block.ln_2(x).to(block.dtype))
+    logits = model.lm_head(model.ln_f(x).to(model.dtype))
+    return logits, torch.stack(new_kv)
+
+
+class DecodeGraph:
+    """`decode_step` compiled for a model and pool, plus the write of the new K/V into the pool.
+
+    Two graphs cover every decode batch: batch 1 (torch specializes size-1 dimensions) and
+    batch >= 2, both dynamic in the block-table width (padded to >= 2 pages for the same reason).
+    `warmup()` compiles both up front so no request waits for a compile.
+    """
+
+    def __init__(self, model: GPT2, kv_pool: torch.Tensor) -> None:
+        self.model, self.kv_pool = model, kv_pool
+        self._step = torch.compile(decode_step)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        start = time.perf_counter()
+        logger.info("compiling the decode step for batch 1 and batch >= 2 (up to a minute; torch caches it on disk)")
+        device = self.kv_pool.device
+        for batch in (2, 1):
+            tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+            tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
+            lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
+            self._run(tokens, tokens + 1, tables, lens)
+        logger.info("decode step compiled in %.0f s", time.perf_counter() - start)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only step; the step's K/V land in the pool at `slot_mapping`."""
+        logits, new_kv = self._run(input_ids, positions, block_tables, context_lens)
+        n_layer, _, num_blocks, block_size = self.kv_pool.shape[:4]
+        slots = self.kv_pool.view(n_layer, 2, num_blocks * block_size, *self.kv_pool.shape[4:])
+        slots.index_copy_(2, slot_mapping, new_kv.to(self.kv_pool.dtype))
+        return logits
+
+    def _run(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        if block_tables.shape[1] < 2:
+            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
+        if input_ids.shape[0] > 1:
+            for tensor in (input_ids, positions, block_tables, context_lens):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(block_tables, 1)
+        return self._step(self.model, input_ids, positions, self.kv_pool, block_tables, context_lens)

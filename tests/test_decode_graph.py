@@ -1,0 +1,59 @@
+"""The compiled decode step (`compile=True`): its pure function must compute what the engine's
+eager paged step computes, and the compiled engine must stay token-exact with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minigpt import LLM, SamplingParams
+from minigpt.decode_graph import decode_step
+
+from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
+
+# Around the block boundaries of block_size=8, and long enough to grow several pages.
+LENGTHS = [1, 7, 8, 9, 30, 64]
+MAX_TOKENS = [12, 9, 20, 2, 16, 30]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, block_size):
+    prompts = random_prompts(LENGTHS)
+    with LLM(str(tiny_checkpoint), dtype=dtype, block_size=block_size) as llm:
+        engine = llm.engine
+        for prompt in prompts:
+            engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        engine.step()  # prefills every prompt and samples its first token
+        for _ in range(2):  # then decode-only steps: compare them before the eager step runs
+            inputs = engine._prepare(engine.scheduler.schedule().chunks)
+            meta = inputs.meta
+            assert not meta.prefills
+            with torch.inference_mode():
+                logits, new_kv = decode_step(
+                    engine.model, inputs.input_ids, inputs.positions, engine.pool.kv,
+                    meta.decode_block_tables, meta.decode_context_lens,
+                )
+                want = engine.model.forward_step(
+                    inputs.input_ids, inputs.positions, engine.pool.kv, meta, engine.backend, inputs.logits_indices
+                )
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(logits, want, **tol)
+            slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]  # what the eager step wrote
+            torch.testing.assert_close(new_kv.to(slots.dtype), slots, **tol)
+            for seq, token in zip(inputs.sample_seqs, want.argmax(-1).tolist(), strict=True):
+                seq.num_computed_tokens += 1
+                seq.append(token, None)
+
+
+@pytest.mark.slow
+def test_compiled_engine_equals_transformers(tiny_checkpoint):
+    reference = hf_model(tiny_checkpoint)
+    prompts = random_prompts(LENGTHS)
+    want = [hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+    with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
+        assert [o.token_ids for o in outs] == want
+        alone = llm.generate([prompts[4]], SamplingParams(max_tokens=MAX_TOKENS[4], ignore_eos=True))[0]
+        assert alone.token_ids == want[4]  # batch 1 runs its own graph
+        assert_all_free(llm)
