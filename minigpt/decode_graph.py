@@ -82,11 +82,18 @@ class DecodeGraph:
         start = time.perf_counter()
         logger.info("compiling the decode step for batch 1 and batch >= 2 (up to a minute; torch caches it on disk)")
         device = self.kv_pool.device
-        for batch in (2, 1):
-            tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-            tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
-            lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
-            self._run(tokens, tokens + 1, tables, lens)
+        try:
+            for batch in (2, 1):
+                tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+                tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
+                lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
+                self._run(tokens, tokens + 1, tables, lens)
+        except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise RuntimeError(
+                "compile=True could not compile the decode step; run without it, or install what "
+                f"torch.compile needs (a C++ compiler on the CPU): {detail}"
+            ) from err
         logger.info("decode step compiled in %.0f s", time.perf_counter() - start)
 
     def __call__(
