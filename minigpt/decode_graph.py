@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2
 
 logger = logging.getLogger("minigpt")
@@ -73,15 +74,15 @@ class DecodeGraph:
     `warmup()` compiles both up front so no request waits for a compile.
     """
 
-    def __init__(self, model: GPT2, kv_pool: torch.Tensor) -> None:
-        self.model, self.kv_pool = model, kv_pool
+    def __init__(self, model: GPT2, pool: KVPool) -> None:
+        self.model, self.pool = model, pool  # the pool, not its tensor: Engine.close() frees that
         self._step = torch.compile(decode_step)
 
     @torch.inference_mode()
     def warmup(self) -> None:
         start = time.perf_counter()
         logger.info("compiling the decode step for batch 1 and batch >= 2 (up to a minute; torch caches it on disk)")
-        device = self.kv_pool.device
+        device = self.pool.kv.device
         try:
             for batch in (2, 1):
                 tokens = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -106,9 +107,9 @@ class DecodeGraph:
     ) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only step; the step's K/V land in the pool at `slot_mapping`."""
         logits, new_kv = self._run(input_ids, positions, block_tables, context_lens)
-        n_layer, _, num_blocks, block_size = self.kv_pool.shape[:4]
-        slots = self.kv_pool.view(n_layer, 2, num_blocks * block_size, *self.kv_pool.shape[4:])
-        slots.index_copy_(2, slot_mapping, new_kv.to(self.kv_pool.dtype))
+        kv = self.pool.kv
+        slots = kv.view(*kv.shape[:2], kv.shape[2] * kv.shape[3], *kv.shape[4:])  # pages as token slots
+        slots.index_copy_(2, slot_mapping, new_kv.to(kv.dtype))
         return logits
 
     def _run(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,4 +119,4 @@ class DecodeGraph:
             for tensor in (input_ids, positions, block_tables, context_lens):
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(block_tables, 1)
-        return self._step(self.model, input_ids, positions, self.kv_pool, block_tables, context_lens)
+        return self._step(self.model, input_ids, positions, self.pool.kv, block_tables, context_lens)

@@ -148,7 +148,7 @@ class Engine:
         if config.compile:
             from minigpt.decode_graph import DecodeGraph
 
-            self.decode_graph = DecodeGraph(self.model, self.pool.kv)
+            self.decode_graph = DecodeGraph(self.model, self.pool)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id

@@ -3,6 +3,9 @@ eager paged step computes, and the compiled engine must stay token-exact with tr
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -57,3 +60,6 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
         alone = llm.generate([prompts[4]], SamplingParams(max_tokens=MAX_TOKENS[4], ignore_eos=True))[0]
         assert alone.token_ids == want[4]  # batch 1 runs its own graph
         assert_all_free(llm)
+        pool = weakref.ref(llm.engine.pool.kv)
+    gc.collect()
+    assert pool() is None  # close() freed the pool: the compiled step holds no reference to it
