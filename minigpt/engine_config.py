@@ -51,6 +51,9 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
+        for name in ("enable_prefix_caching", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {self.quantize!r}")
 

@@ -196,6 +196,12 @@ def test_unknown_engine_argument(tiny_checkpoint):
         LLM(str(tiny_checkpoint), kv_cache_tokenz=4)
 
 
+@pytest.mark.parametrize("name", ["compile", "enable_prefix_caching"])
+def test_switches_take_only_booleans(tiny_checkpoint, name):
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        LLM(str(tiny_checkpoint), **{name: "no"})
+
+
 def test_generate_inside_a_stream_loop(tiny_checkpoint):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(str(tiny_checkpoint)) as llm:
