@@ -19,6 +19,7 @@ import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2
@@ -66,22 +67,50 @@ def decode_step(
     return logits, torch.stack(new_kv)
 
 
+def prefill_step(
+    model: GPT2, input_ids: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole prompt of one sequence with nothing cached -> (logits of its last token [1, vocab],
+    its K/V [n_layer, 2, T, H, D]): plain causal attention among its own tokens; reads no pool."""
+    num_heads, head_dim = model.config.n_head, model.config.head_dim
+    length = input_ids.shape[0]
+    x = model.wte(input_ids).float() + model.wpe(positions).float()
+    new_kv = []
+    for block in model.h:
+        attn = block.attn
+        q, k, v = attn.c_attn(block.ln_1(x).to(block.dtype)).view(length, 3, num_heads, head_dim).unbind(1)
+        new_kv.append(torch.stack([k, v]))
+        if attn.upcast:
+            q, k, v = q.float(), k.float(), v.float()
+        y = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=attn.scale
+        ).transpose(0, 1)
+        x = x + attn.c_proj(y.to(block.dtype).reshape(length, -1))
+        x = x + block.mlp(block.ln_2(x).to(block.dtype))
+    logits = model.lm_head(model.ln_f(x[-1:]).to(model.dtype))
+    return logits, torch.stack(new_kv)
+
+
 class DecodeGraph:
     """`decode_step` compiled for a model and pool, plus the write of the new K/V into the pool.
 
     Two graphs cover every decode batch: batch 1 (torch specializes size-1 dimensions) and
     batch >= 2, both dynamic in the block-table width (padded to >= 2 pages for the same reason).
-    `warmup()` compiles both up front so no request waits for a compile.
+    A third, `prefill_step`, takes a step that is one whole prompt of >= 2 tokens with nothing
+    cached (a lone request's first step: its time to first token). `warmup()` compiles all three
+    up front so no request waits for a compile.
     """
 
     def __init__(self, model: GPT2, pool: KVPool) -> None:
         self.model, self.pool = model, pool  # the pool, not its tensor: Engine.close() frees that
         self._step = torch.compile(decode_step)
+        self._prefill = torch.compile(prefill_step)
 
     @torch.inference_mode()
     def warmup(self) -> None:
         start = time.perf_counter()
-        logger.info("compiling the decode step for batch 1 and batch >= 2 (up to a minute; torch caches it on disk)")
+        logger.info("compiling the decode step for batch 1, batch >= 2 and lone prompts (up to a minute or two; "
+                    "torch caches it on disk)")
         device = self.pool.kv.device
         try:
             for batch in (2, 1):
@@ -89,13 +118,15 @@ class DecodeGraph:
                 tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
                 lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
                 self._run(tokens, tokens + 1, tables, lens)
+            prompt = torch.zeros(2, dtype=torch.int64, device=device)
+            self._run_prefill(prompt, torch.arange(2, device=device))
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(
                 "compile=True could not compile the decode step; run without it, or install what "
                 f"torch.compile needs (a C++ compiler on the CPU): {detail}"
             ) from err
-        logger.info("decode step compiled in %.0f s", time.perf_counter() - start)
+        logger.info("compiled in %.0f s", time.perf_counter() - start)
 
     def __call__(
         self,
@@ -107,10 +138,25 @@ class DecodeGraph:
     ) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only step; the step's K/V land in the pool at `slot_mapping`."""
         logits, new_kv = self._run(input_ids, positions, block_tables, context_lens)
+        self._store(new_kv, slot_mapping)
+        return logits
+
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Logits [1, vocab] of the last token of a whole prompt (>= 2 tokens, nothing cached); its K/V
+        land in the pool at `slot_mapping`."""
+        logits, new_kv = self._run_prefill(input_ids, positions)
+        self._store(new_kv, slot_mapping)
+        return logits
+
+    def _store(self, new_kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         kv = self.pool.kv
         slots = kv.view(*kv.shape[:2], kv.shape[2] * kv.shape[3], *kv.shape[4:])  # pages as token slots
         slots.index_copy_(2, slot_mapping, new_kv.to(kv.dtype))
-        return logits
+
+    def _run_prefill(self, input_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        for tensor in (input_ids, positions):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        return self._prefill(self.model, input_ids, positions)
 
     def _run(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
         if block_tables.shape[1] < 2:

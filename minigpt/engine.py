@@ -261,15 +261,26 @@ class Engine:
         return sampled
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        meta = inputs.meta
-        if self.decode_graph is not None and not meta.prefills:  # decode only: one logits row per sequence
-            return self.decode_graph(
+        meta, graph = inputs.meta, self.decode_graph
+        if graph is not None and not meta.prefills:  # decode only: one logits row per sequence
+            return graph(
                 inputs.input_ids, inputs.positions, meta.decode_block_tables, meta.decode_context_lens,
                 meta.slot_mapping,
             )
+        if graph is not None and self._is_lone_whole_prompt(inputs):
+            return graph.prefill(inputs.input_ids, inputs.positions, meta.slot_mapping)
         return self.model.forward_step(
             inputs.input_ids, inputs.positions, self.pool.kv, meta, self.backend, inputs.logits_indices
         )
+
+    @staticmethod
+    def _is_lone_whole_prompt(inputs: StepInputs) -> bool:
+        """One sequence's whole prompt (>= 2 tokens) with nothing cached, sampling its last token only."""
+        meta = inputs.meta
+        if len(meta.prefills) != 1 or meta.decode_block_tables is not None or inputs.prompt_logprob_rows:
+            return False
+        segment = meta.prefills[0]
+        return segment.context_len == segment.length >= 2 and len(inputs.sample_seqs) == 1
 
     def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.config.block_size

@@ -1,5 +1,5 @@
-"""The compiled decode step (`compile=True`): its pure function must compute what the engine's
-eager paged step computes, and the compiled engine must stay token-exact with transformers."""
+"""The compiled steps (`compile=True`): their pure functions must compute what the engine's eager
+paged step computes, and the compiled engine must stay token-exact with transformers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.decode_graph import decode_step
+from minigpt.decode_graph import decode_step, prefill_step
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -49,6 +49,26 @@ def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, block_si
                 seq.append(token, None)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("length", [2, 9, 64])
+def test_pure_prefill_step_equals_the_paged_step(tiny_checkpoint, dtype, length):
+    with LLM(str(tiny_checkpoint), dtype=dtype, block_size=8) as llm:
+        engine = llm.engine
+        engine.add(engine.make_request(random_prompts([length])[0], SamplingParams(max_tokens=2)))
+        inputs = engine._prepare(engine.scheduler.schedule().chunks)
+        assert engine._is_lone_whole_prompt(inputs)
+        meta = inputs.meta
+        with torch.inference_mode():
+            logits, new_kv = prefill_step(engine.model, inputs.input_ids, inputs.positions)
+            want = engine.model.forward_step(
+                inputs.input_ids, inputs.positions, engine.pool.kv, meta, engine.backend, inputs.logits_indices
+            )
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(logits, want, **tol)
+        slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]
+        torch.testing.assert_close(new_kv.to(slots.dtype), slots, **tol)
+
+
 @pytest.mark.slow
 def test_compiled_engine_equals_transformers(tiny_checkpoint):
     reference = hf_model(tiny_checkpoint)
@@ -57,8 +77,13 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
         outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
         assert [o.token_ids for o in outs] == want
-        alone = llm.generate([prompts[4]], SamplingParams(max_tokens=MAX_TOKENS[4], ignore_eos=True))[0]
-        assert alone.token_ids == want[4]  # batch 1 runs its own graph
+        graph, prefills = llm.engine.decode_graph, []
+        compiled_prefill = graph.prefill
+        graph.prefill = lambda *args: prefills.append(args) or compiled_prefill(*args)
+        fresh = random_prompts([13], seed=99)[0]  # nothing cached: the lone-prompt graph, then batch 1's
+        alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+        assert alone.token_ids == hf_greedy(reference, fresh, 10)
+        assert len(prefills) == 1
         assert_all_free(llm)
         pool = weakref.ref(llm.engine.pool.kv)
     gc.collect()
