@@ -4,7 +4,8 @@ Eager PyTorch pays for every op: GPT-2's ~40 small ops a layer cost more than it
 products at batch 1, and eager decode attention copies each sequence's pages (`index_select`)
 before SDPA reads them again. Compiled as one graph, inductor fuses the elementwise work
 (layernorms, activation quantization, GELU, residuals) and its attention loops read K/V straight
-from the pages, so the pool is read once and never copied.
+from the pages, so the pool is read once and never copied. `prefill_step` does the same for a
+lone request's whole prompt, the step that decides its time to first token.
 
 The function is pure: it reads the pool and returns the step's new K/V, which `DecodeGraph`
 writes into the pool after the call. A graph that wrote into its input pool would make inductor
@@ -109,8 +110,10 @@ class DecodeGraph:
     @torch.inference_mode()
     def warmup(self) -> None:
         start = time.perf_counter()
-        logger.info("compiling the decode step for batch 1, batch >= 2 and lone prompts (up to a minute or two; "
-                    "torch caches it on disk)")
+        logger.info(
+            "compiling the steps for batch 1, batch >= 2 and lone prompts "
+            "(about two minutes the first time; torch caches them on disk)"
+        )
         device = self.pool.kv.device
         try:
             for batch in (2, 1):
@@ -123,7 +126,7 @@ class DecodeGraph:
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(
-                "compile=True could not compile the decode step; run without it, or install what "
+                "compile=True could not compile the decode steps; run without it, or install what "
                 f"torch.compile needs (a C++ compiler on the CPU): {detail}"
             ) from err
         logger.info("compiled in %.0f s", time.perf_counter() - start)

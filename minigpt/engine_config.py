@@ -39,9 +39,9 @@ class EngineConfig:
     num_threads: int | None = None
     """torch CPU threads; None keeps torch's default (one per core)."""
     compile: bool = False
-    """Run decode steps through one torch.compile'd graph (minigpt/decode_graph.py): much faster
-    decoding, at the cost of compiling when the engine starts (up to a minute the first time;
-    torch's on-disk cache makes later starts take seconds)."""
+    """Run decode steps (and a lone request's prompt) through torch.compile'd graphs
+    (minigpt/decode_graph.py): much faster decoding, at the cost of compiling when the engine starts
+    (about two minutes on 2 cores the first time; torch's on-disk cache makes later starts take seconds)."""
     max_waiting: int = 4096
     """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
 
@@ -89,7 +89,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     engine.add_argument("--compile", action="store_true",
-                        help="compile the decode step with torch.compile (faster decoding, ~1 min to start)")
+                        help="torch.compile the decode steps (faster decoding; ~2 min to start the first time)")
     engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="queued requests beyond which new ones are refused at once")
 
