@@ -47,11 +47,11 @@ def decode_step(
     length = block_tables.shape[1] * kv_pool.shape[3]
     pages = block_tables.long()
     cached = torch.arange(length, device=input_ids.device)[None, :] < (context_lens[:, None] - 1)  # (B, L)
-    x = model.wte(input_ids).float() + model.wpe(positions).float()
+    x = model.embed(input_ids, positions)
     new_kv = []
     for layer, block in enumerate(model.h):
         attn = block.attn
-        q, k, v = attn.c_attn(block.ln_1(x).to(block.dtype)).view(batch, 3, num_heads, head_dim).unbind(1)
+        q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
         new_kv.append(torch.stack([k, v]))
         q, k, v = q.float(), k.float(), v.float()
         keys = kv_pool[layer, 0][pages].view(batch, length, num_heads, head_dim).float()
@@ -62,10 +62,8 @@ def decode_step(
         weights, own_weight = torch.exp(scores - top[:, None]), torch.exp(own - top)
         total = weights.sum(1) + own_weight
         y = ((weights[..., None] * values).sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
-        x = x + attn.c_proj(y.to(block.dtype).reshape(batch, -1))
-        x = x + block.mlp(block.ln_2(x).to(block.dtype))
-    logits = model.lm_head(model.ln_f(x).to(model.dtype))
-    return logits, torch.stack(new_kv)
+        x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(batch, -1)))
+    return model.head(x), torch.stack(new_kv)
 
 
 def prefill_step(
@@ -73,23 +71,20 @@ def prefill_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole prompt of one sequence with nothing cached -> (logits of its last token [1, vocab],
     its K/V [n_layer, 2, T, H, D]): plain causal attention among its own tokens; reads no pool."""
-    num_heads, head_dim = model.config.n_head, model.config.head_dim
     length = input_ids.shape[0]
-    x = model.wte(input_ids).float() + model.wpe(positions).float()
+    x = model.embed(input_ids, positions)
     new_kv = []
     for block in model.h:
         attn = block.attn
-        q, k, v = attn.c_attn(block.ln_1(x).to(block.dtype)).view(length, 3, num_heads, head_dim).unbind(1)
+        q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
         new_kv.append(torch.stack([k, v]))
         if attn.upcast:
             q, k, v = q.float(), k.float(), v.float()
         y = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=attn.scale
         ).transpose(0, 1)
-        x = x + attn.c_proj(y.to(block.dtype).reshape(length, -1))
-        x = x + block.mlp(block.ln_2(x).to(block.dtype))
-    logits = model.lm_head(model.ln_f(x[-1:]).to(model.dtype))
-    return logits, torch.stack(new_kv)
+        x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(length, -1)))
+    return model.head(x[-1:]), torch.stack(new_kv)
 
 
 class DecodeGraph:

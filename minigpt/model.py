@@ -72,6 +72,10 @@ class CausalSelfAttention(nn.Module):
         y = y.to(dtype).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N, C) flat tokens -> q, k, v, each (N, nh, hs)."""
+        return self.c_attn(x).view(x.shape[0], 3, self.n_head, self.head_dim).unbind(1)
+
     def forward_step(
         self,
         x: torch.Tensor,
@@ -81,7 +85,7 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Paged path. x: (N, C) flat tokens; kv: this layer's pages (2, blocks, block_size, nh, hs)."""
         N, C = x.shape
-        q, k, v = self.c_attn(x).view(N, 3, self.n_head, self.head_dim).unbind(1)  # each (N, nh, hs)
+        q, k, v = self.qkv(x)
         k_cache, v_cache = kv[0], kv[1]
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         parts = []
@@ -125,10 +129,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x).to(self.dtype), mask)
-        return x + self.mlp(self.ln_2(x).to(self.dtype))
+        return self.add_mlp(x)
 
     def forward_step(self, x, kv, meta, backend) -> torch.Tensor:
         x = x + self.attn.forward_step(self.ln_1(x).to(self.dtype), kv, meta, backend)
+        return self.add_mlp(x)
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half: the residual stream plus the MLP of its normalized self."""
         return x + self.mlp(self.ln_2(x).to(self.dtype))
 
 
@@ -191,10 +199,10 @@ class GPT2(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         self._check_ranges(input_ids, position_ids)
-        x = self.wte(input_ids).float() + self.wpe(position_ids).float()
+        x = self.embed(input_ids, position_ids)
         for block in self.h:
             x = block(x, mask)
-        return self.lm_head(self.ln_f(x).to(self.dtype))
+        return self.head(x)
 
     def forward_step(
         self,
@@ -208,10 +216,18 @@ class GPT2(nn.Module):
         """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
         at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
         (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place."""
-        x = self.wte(input_ids).float() + self.wpe(positions).float()
+        x = self.embed(input_ids, positions)
         for layer, block in enumerate(self.h):
             x = block.forward_step(x, kv_pool[layer], meta, backend)
-        return self.lm_head(self.ln_f(x[logits_indices]).to(self.dtype))
+        return self.head(x[logits_indices])
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings: the fp32 residual stream every forward starts from."""
+        return self.wte(input_ids).float() + self.wpe(positions).float()
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final layernorm and LM head: residual stream -> logits."""
+        return self.lm_head(self.ln_f(x).to(self.dtype))
 
     def _check_ranges(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
