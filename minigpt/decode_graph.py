@@ -88,7 +88,8 @@ def prefill_step(
 
 
 class DecodeGraph:
-    """`decode_step` compiled for a model and pool, plus the write of the new K/V into the pool.
+    """`decode_step` and `prefill_step` compiled for a model and pool, plus the write of their new K/V
+    into the pool.
 
     Two graphs cover every decode batch: batch 1 (torch specializes size-1 dimensions) and
     batch >= 2, both dynamic in the block-table width (padded to >= 2 pages for the same reason).
