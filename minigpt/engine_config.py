@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-QUANTIZATIONS = (None, "int8", "w8a8")
+from minigpt.quantize import QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {self.quantize!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -80,7 +80,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
     engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
-    engine.add_argument("--quantize", default=None, choices=["int8", "w8a8"],
+    engine.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
                         help="int8: weight-only int8 linears; w8a8: int8 weights and activations")
     engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
