@@ -118,9 +118,22 @@ def prefill_attention(
         v = v_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len]
         q_pos = torch.arange(context_len - length, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (T, context_len)
+    return token_attention(q, k, v, scale, upcast, mask)
+
+
+def token_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    upcast: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA over flat tokens: q [T, H, D] against k, v [S, H, D] -> [T, H, D]. Plain causal when
+    `mask` is None, else the boolean (T, S) mask; `upcast` computes in fp32."""
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=scale
     )
-    return out.transpose(0, 1)  # (T, H, D)
+    return out.transpose(0, 1)

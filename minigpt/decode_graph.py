@@ -20,8 +20,8 @@ import logging
 import time
 
 import torch
-import torch.nn.functional as F
 
+from minigpt.attention import token_attention
 from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2
 
@@ -78,11 +78,7 @@ def prefill_step(
         attn = block.attn
         q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
         new_kv.append(torch.stack([k, v]))
-        if attn.upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        y = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=attn.scale
-        ).transpose(0, 1)
+        y = token_attention(q, k, v, attn.scale, attn.upcast)
         x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(length, -1)))
     return model.head(x[-1:]), torch.stack(new_kv)
 
