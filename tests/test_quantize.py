@@ -1,4 +1,4 @@
-"""Weight-only int8: close to fp32 at a stated tolerance, and the engine runs on it."""
+"""int8 and w8a8: close to fp32 at a stated tolerance, and the engine runs on them."""
 
 from __future__ import annotations
 
@@ -21,14 +21,15 @@ def test_int8_linear_matches_dequantized_weights():
     torch.testing.assert_close(q(x), expected, rtol=2e-2, atol=2e-2)  # activations pass through bf16
 
 
-def test_int8_model_logits_close_to_fp32(tiny_checkpoint):
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_quantized_model_logits_close_to_fp32(tiny_checkpoint, mode):
     """Stated tolerance: max |logit error| <= 5% of the logit range; top-1 agrees on >= 90% of positions."""
     fp32 = GPT2.from_pretrained(tiny_checkpoint)
-    int8 = quantize(GPT2.from_pretrained(tiny_checkpoint), "int8")
-    assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
+    quantized = quantize(GPT2.from_pretrained(tiny_checkpoint), mode)
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
     ids = torch.randint(0, 50257, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref, got = fp32(ids), int8(ids)
+        ref, got = fp32(ids), quantized(ids)
     assert (got - ref).abs().max() / ref.abs().max() < 0.05
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
@@ -52,17 +53,6 @@ def test_w8a8_linear_is_per_row_and_close():
     for i in range(6):
         torch.testing.assert_close(q(x[i : i + 1])[0], batched[i])
     torch.testing.assert_close(batched, linear(x), rtol=0.05, atol=0.05 * linear(x).abs().max().item())
-
-
-def test_w8a8_model_logits_close_to_fp32(tiny_checkpoint):
-    """Stated tolerance: max |logit error| <= 5% of the logit range; top-1 agrees on >= 90% of positions."""
-    fp32 = GPT2.from_pretrained(tiny_checkpoint)
-    w8a8 = quantize(GPT2.from_pretrained(tiny_checkpoint), "w8a8")
-    ids = torch.randint(0, 50257, (4, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref, got = fp32(ids), w8a8(ids)
-    assert (got - ref).abs().max() / ref.abs().max() < 0.05
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 def test_engine_with_w8a8_is_batch_invariant(tiny_checkpoint):
