@@ -34,6 +34,7 @@ import peers as P  # noqa: E402 - scripts/ is not a package
 import workloads as W  # noqa: E402
 
 from minigpt import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from minigpt.quantize import QUANTIZATIONS  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -57,7 +58,7 @@ class MinigptPeer(P.Peer):
     def _engine_args(self, mode: str) -> dict:
         dtype, _, option = mode.partition("+")
         args = {"dtype": dtype, "num_threads": P.THREADS, "compile": option == "compile"}
-        if dtype in ("int8", "w8a8"):
+        if dtype in QUANTIZATIONS:
             args.update(dtype="float32", quantize=dtype)
         return args
 
