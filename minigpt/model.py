@@ -12,6 +12,7 @@ once). Two forwards share every layer:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -236,3 +237,12 @@ class GPT2(nn.Module):
             raise ValueError(
                 f"sequence of {int(position_ids.max()) + 1} positions exceeds n_positions={self.config.n_positions}"
             )
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Swap every nn.Linear of `model` in place for `make(linear)` (quantized, packed, ...)."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, make(child))
+    return model

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minigpt.model import replace_linears
+
 QUANTIZATIONS = ("int8", "w8a8")
 
 
@@ -69,9 +71,4 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     """Replace every nn.Linear of `model` in place by its `mode` ("int8" or "w8a8") version."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {mode!r}")
-    cls = Int8Linear if mode == "int8" else W8A8Linear
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, cls(child))
-    return model
+    return replace_linears(model, Int8Linear if mode == "int8" else W8A8Linear)
