@@ -46,7 +46,7 @@ class MinigptPeer(P.Peer):
 
     name = "minigpt"
     # "+compile": the same mode with EngineConfig.compile (its one-time compile is not timed).
-    dtypes = ("float32", "bfloat16", "int8", "w8a8", "float32+compile", "w8a8+compile")
+    dtypes = tuple(mode + option for option in ("", "+compile") for mode in ("float32", "bfloat16", *QUANTIZATIONS))
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,15 +163,20 @@ class Bench:
 
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
+        wanted = self.args.dtypes.split(",") if self.args.dtypes else None
+        peers = [MinigptPeer(), *P.all_peers()]
+        known = {name for peer in peers for d in peer.dtypes for name in (d, f"{peer.name}:{d}")}
+        unknown = [w for w in wanted or [] if w not in known]
+        if unknown:
+            raise SystemExit(f"--dtypes: no engine has {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         pairs = []
-        for peer in [MinigptPeer(), *P.all_peers()]:
+        for peer in peers:
             if chosen is not None and peer.name not in chosen:
                 continue
             reason = peer.unavailable_reason()
             if reason is not None:
                 log(f"skip {peer.name}: {reason}")
                 continue
-            wanted = self.args.dtypes.split(",") if self.args.dtypes else None
             dtypes = [d for d in peer.dtypes if wanted is None or d in wanted or f"{peer.name}:{d}" in wanted]
             pairs += [(peer, d) for d in dtypes]
         return pairs

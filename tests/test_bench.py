@@ -27,3 +27,13 @@ def test_bench_smoke(checkpoint_factory, tmp_path):
     assert batched["tokens_generated"] == 6 * 64 and batched["avg_batch"] > 1
     assert all(r["tokens_generated"] == 128 for r in data["stream"])
     assert len(data["serving"]) == 1 and data["serving"][0]["requests"] == 4
+
+
+def test_bench_refuses_a_mode_no_engine_has(tiny_checkpoint, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(tiny_checkpoint), "--engines", "minigpt",
+         "--dtypes", "minigpt:bfloat16+compile,minigpt:float8", "--no-wait", "--out", str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode != 0
+    assert "no engine has minigpt:float8;" in result.stderr  # bfloat16+compile is a mode: not listed
