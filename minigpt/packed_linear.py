@@ -11,8 +11,7 @@ The packed weight is an opaque `torch._mkldnn` tensor, so the product is a custo
 sees it as one extern call and never looks inside.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch.library reads the op's annotations as types.
 import torch
 import torch.nn as nn
 
