@@ -47,17 +47,19 @@ def paged_decode_attention(
 
     query: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, H, D];
     block_tables: [B, max_blocks] int32 (entries past a sequence's length may be any valid block);
-    context_lens: [B] int32. Returns [B, H, D] in the query's dtype. Softmax and accumulation run in
-    fp32 for half inputs. A row with context_len 0 returns zeros.
+    context_lens: [B] int32. Returns [B, H, D] in the query's dtype. A row with context_len 0 returns zeros.
+
+    Half inputs go to SDPA as they are: its kernels compute scores, softmax and the weighted sum in
+    fp32 and round the probabilities to the input dtype before that sum, as transformers'
+    `reorder_and_upcast_attn` does. Upcasting the gathered pages first cost 6x the attention itself
+    (bf16, batch 100, 112 tokens: 27 ms vs 4.4 ms a layer on 2 cores).
     """
     keys = gather_kv(k_cache, block_tables)  # (B, H, L, D)
     values = gather_kv(v_cache, block_tables)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = positions[None, :] < context_lens[:, None]  # (B, L)
-    if query.dtype != torch.float32:
-        keys, values = keys.float(), values.float()
     out = F.scaled_dot_product_attention(
-        query.float()[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
+        query[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
     )[:, :, 0]  # (B, H, D)
     out = out.masked_fill(context_lens[:, None, None] <= 0, 0.0)
     return out.to(query.dtype)

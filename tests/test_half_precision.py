@@ -11,11 +11,11 @@ which the greedy test asserts equal):
 
     config     dtype     top-1 agreement  max error / range  equal               checked
     default    float32   1.000            3.6e-7             24 24 24 24 24      120
-    default    float16   1.000            6.1e-4             24 24 24 24 24       66
-    default    bfloat16  0.975            4.7e-3             24 11 11 12 24       39
+    default    float16   1.000            6.2e-4             24 24 24 24 24       66
+    default    bfloat16  0.975            5.5e-3             24 11 11 12 24       39
     odd-heads  float32   1.000            3.0e-7             24 24 24 24 24      120
-    odd-heads  float16   1.000            7.2e-4             24 24 24 24 24      120
-    odd-heads  bfloat16  1.000            5.4e-3             24 24 24 24 24       48
+    odd-heads  float16   1.000            5.5e-4             24 24 24 24 24      120
+    odd-heads  bfloat16  1.000            4.8e-3             24 24 24 24 24       48
 
 Random weights give flat top-2 gaps (often under 1% of the logit range), so bf16 leaves the fp32
 path at near-ties: at the three bf16 divergences above the fp32 gap was 0.08-0.17% of the range.
