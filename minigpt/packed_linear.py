@@ -3,12 +3,13 @@
 torch's bf16 `F.linear` on the CPU hands oneDNN a plain [out, in] weight, which it reorders into
 its blocked layout on every call. Reordering once, at load, and calling oneDNN's linear on the
 packed weight is what inductor's freezing does for bf16; done here it serves eager and compiled
-steps alike. Measured on GPT-2's linears (2 cores, AVX-512 bf16): a batch-1 step 17.4 -> 12.0 ms,
-a batch-32 step 65 -> 54 ms. The products are oneDNN's either way: on the random gpt2 checkpoint
+steps alike. Measured on GPT-2's linears (2 cores, AVX-512 bf16): the linears of a batch-1 step
+17.4 -> 12.0 ms, of a batch-32 step 65 -> 54 ms. The products are oneDNN's either way: on the random gpt2 checkpoint
 the model's bf16 logits came out bit-identical with and without packing.
 
 The packed weight is an opaque `torch._mkldnn` tensor, so the product is a custom op: torch.compile
 sees it as one extern call and never looks inside.
+Opaque also means a packed model cannot be deep-copied, saved or cast: load a fresh `GPT2` for that.
 """
 
 # No `from __future__ import annotations` here: torch.library reads the op's annotations as types.
@@ -43,7 +44,8 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Packing pays for bf16 on a CPU whose oneDNN runs bf16 natively."""
+    """bf16 on a CPU whose oneDNN supports bf16 (measured to pay on AVX-512 bf16; oneDNN emulates bf16
+    on older x86 CPUs, where packing was not measured)."""
     return (
         dtype == torch.bfloat16
         and device.type == "cpu"

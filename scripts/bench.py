@@ -164,15 +164,13 @@ class Bench:
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
         wanted = self.args.dtypes.split(",") if self.args.dtypes else None
-        peers = [MinigptPeer(), *P.all_peers()]
+        peers = [p for p in (MinigptPeer(), *P.all_peers()) if chosen is None or p.name in chosen]
         known = {name for peer in peers for d in peer.dtypes for name in (d, f"{peer.name}:{d}")}
         unknown = [w for w in wanted or [] if w not in known]
         if unknown:
             raise SystemExit(f"--dtypes: no engine has {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         pairs = []
         for peer in peers:
-            if chosen is not None and peer.name not in chosen:
-                continue
             reason = peer.unavailable_reason()
             if reason is not None:
                 log(f"skip {peer.name}: {reason}")

@@ -35,9 +35,17 @@ def test_packed_linear_compiles_as_one_call():
     def block(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(packed(x.to(torch.bfloat16)).float() * 2)
 
+    targets = []
+
+    def inspecting_backend(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
     x = torch.randn(4, 64)
     with torch.inference_mode():
         torch.testing.assert_close(torch.compile(block, fullgraph=True)(x), block(x))
+        torch.compile(block, backend=inspecting_backend, fullgraph=True)(x)
+    assert targets.count(torch.ops.minigpt.packed_linear.default) == 1
 
 
 def test_bf16_engine_packs_every_linear_and_fp32_none(tiny_checkpoint):
