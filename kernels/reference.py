@@ -62,4 +62,4 @@ def paged_decode_attention(
         query[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
     )[:, :, 0]  # (B, H, D)
     out = out.masked_fill(context_lens[:, None, None] <= 0, 0.0)
-    return out.to(query.dtype)
+    return out
