@@ -16,8 +16,10 @@ both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import warnings
 
 import torch
 
@@ -94,8 +96,10 @@ class DecodeGraph:
     up front so no request waits for a compile.
     """
 
-    def __init__(self, model: GPT2, pool: KVPool) -> None:
+    def __init__(self, model: GPT2, pool: KVPool, options: dict[str, object] | None = None) -> None:
+        """`options`: inductor config for both graphs (see `quantize.compile_options`)."""
         self.model, self.pool = model, pool  # the pool, not its tensor: Engine.close() frees that
+        self._options = options or {}
         self._step = torch.compile(decode_step)
         self._prefill = torch.compile(prefill_step)
 
@@ -104,17 +108,20 @@ class DecodeGraph:
         start = time.perf_counter()
         logger.info(
             "compiling the steps for batch 1, batch >= 2 and lone prompts "
-            "(about two minutes the first time; torch caches them on disk)"
+            "(two to four minutes the first time, the most with quantize='int8'; torch caches them on disk)"
         )
         device = self.pool.kv.device
         try:
-            for batch in (2, 1):
-                tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-                tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
-                lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
-                self._run(tokens, tokens + 1, tables, lens)
-            prompt = torch.zeros(2, dtype=torch.int64, device=device)
-            self._run_prefill(prompt, torch.arange(2, device=device))
+            with warnings.catch_warnings():
+                # inductor's autotuning (quantize="int8") calls a deprecated storage API: not the user's concern
+                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+                for batch in (2, 1):
+                    tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+                    tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
+                    lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
+                    self._run(tokens, tokens + 1, tables, lens)
+                prompt = torch.zeros(2, dtype=torch.int64, device=device)
+                self._run_prefill(prompt, torch.arange(2, device=device))
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(
@@ -151,7 +158,8 @@ class DecodeGraph:
     def _run_prefill(self, input_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
         for tensor in (input_ids, positions):
             torch._dynamo.mark_dynamic(tensor, 0)
-        return self._prefill(self.model, input_ids, positions)
+        with self._inductor_config():
+            return self._prefill(self.model, input_ids, positions)
 
     def _run(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
         if block_tables.shape[1] < 2:
@@ -160,4 +168,10 @@ class DecodeGraph:
             for tensor in (input_ids, positions, block_tables, context_lens):
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(block_tables, 1)
-        return self._step(self.model, input_ids, positions, self.pool.kv, block_tables, context_lens)
+        with self._inductor_config():
+            return self._step(self.model, input_ids, positions, self.pool.kv, block_tables, context_lens)
+
+    def _inductor_config(self) -> contextlib.AbstractContextManager:
+        """`options` set around each call, where any compile or recompile happens. Not passed to
+        torch.compile: dynamo reads `freezing` itself, while tracing, from the global config."""
+        return torch._inductor.config.patch(self._options) if self._options else contextlib.nullcontext()

@@ -41,7 +41,8 @@ class EngineConfig:
     compile: bool = False
     """Run decode steps (and a lone request's prompt) through torch.compile'd graphs
     (minigpt/decode_graph.py): much faster decoding, at the cost of compiling when the engine starts
-    (about two minutes on 2 cores the first time; torch's on-disk cache makes later starts take seconds)."""
+    (two to four minutes on 2 cores the first time, the most with quantize="int8"; torch's on-disk
+    cache makes later starts take seconds)."""
     max_waiting: int = 4096
     """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
 
@@ -89,7 +90,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     engine.add_argument("--compile", action="store_true",
-                        help="torch.compile the decode steps (faster decoding; ~2 min to start the first time)")
+                        help="torch.compile the decode steps (faster decoding; 2-4 min to start the first time)")
     engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="queued requests beyond which new ones are refused at once")
 
