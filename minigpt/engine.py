@@ -152,7 +152,7 @@ class Engine:
             from minigpt.decode_graph import DecodeGraph
             from minigpt.quantize import compile_options
 
-            self.decode_graph = DecodeGraph(self.model, self.pool, compile_options(config.quantize))
+            self.decode_graph = DecodeGraph(self.model, self.pool, compile_options(config.quantize, device))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id
