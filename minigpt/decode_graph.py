@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 import warnings
+import weakref
 
 import torch
 
@@ -85,6 +87,17 @@ def prefill_step(
     return model.head(x[-1:]), torch.stack(new_kv)
 
 
+def _private_copy(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a code object of its own: dynamo keeps compiled graphs per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _drop_compiled(codes: tuple[types.CodeType, ...]) -> None:
+    """Free dynamo's graphs for these code objects (its log of guard failures keeps the codes alive)."""
+    for code in codes:
+        torch._C._dynamo.eval_frame.reset_code(code)
+
+
 class DecodeGraph:
     """`decode_step` and `prefill_step` compiled for a model and pool, plus the write of their new K/V
     into the pool.
@@ -100,8 +113,16 @@ class DecodeGraph:
         """`options`: inductor config for both graphs (see `quantize.compile_options`)."""
         self.model, self.pool = model, pool  # the pool, not its tensor: Engine.close() frees that
         self._options = options or {}
-        self._step = torch.compile(decode_step)
-        self._prefill = torch.compile(prefill_step)
+        # A frozen graph holds its engine's weights as constants. Compiled from the shared functions,
+        # every engine's frozen graphs would pile up on them: weights never freed, and dynamo's
+        # recompile limit (8) reached after a few engines. So an engine that freezes compiles private
+        # copies, whose graphs are dropped when it goes.
+        step, prefill = decode_step, prefill_step
+        if self._options.get("freezing"):
+            step, prefill = _private_copy(step), _private_copy(prefill)
+            weakref.finalize(self, _drop_compiled, (step.__code__, prefill.__code__))
+        self._step = torch.compile(step)
+        self._prefill = torch.compile(prefill)
 
     @torch.inference_mode()
     def warmup(self) -> None:
