@@ -73,7 +73,6 @@ def test_unknown_quantization():
         quantize(torch.nn.Sequential(torch.nn.Linear(2, 2)), "int4")
 
 
-
 @pytest.mark.slow
 def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     """The compiled graphs run the same int8 x int8 products as eager: the same tokens, batched and alone."""
