@@ -8,9 +8,13 @@ import weakref
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams
+from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
 from minigpt.quantize import Int8Linear, W8A8Linear, quantize
+
+needs_fbgemm = pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="torch built without fbgemm"
+)
 
 PROMPTS = ["Hello there", "Another prompt, longer than the first one", "x"]
 
@@ -48,16 +52,51 @@ def test_engine_with_int8(tiny_checkpoint):
     assert alone.token_ids == outs[0].token_ids
 
 
-def test_w8a8_linear_is_per_row_and_close():
+@pytest.fixture(params=["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
+def w8a8_kernel(request, monkeypatch):
+    """Each int8 x int8 kernel W8A8Linear can pick, whatever this CPU would pick."""
+    monkeypatch.setattr(fbgemm_int8, "available", lambda device: request.param == "fbgemm")
+    return request.param
+
+
+def test_w8a8_linear_is_per_row_and_close(w8a8_kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     q = W8A8Linear(linear)
+    assert q.fbgemm == (w8a8_kernel == "fbgemm")
     x = torch.randn(6, 64)
     x[3] *= 100  # one row with a far larger range must not change the others' results
     batched = q(x)
     for i in range(6):
         torch.testing.assert_close(q(x[i : i + 1])[0], batched[i])
     torch.testing.assert_close(batched, linear(x), rtol=0.05, atol=0.05 * linear(x).abs().max().item())
+
+
+@needs_fbgemm
+def test_fbgemm_int8_mm_is_exact():
+    """7-bit activations times int8 weights: the exact integer products, also where full-range
+    activations would saturate AVX2's 16-bit pair sums (all at the extremes here)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (96, 256), dtype=torch.int8, generator=generator)
+    weight[:8] = 127
+    x = torch.randint(-63, 64, (5, 256), generator=generator).float()
+    x[0] = 63
+    fbgemm_int8.pack(weight)
+    want = x.double() @ weight.double().t()
+    assert torch.equal(fbgemm_int8.int8_mm(x, weight).double(), want)
+
+
+@needs_fbgemm
+def test_fbgemm_packing_lives_with_its_weight():
+    weight = torch.ones(8, 16, dtype=torch.int8)
+    fbgemm_int8.pack(weight)
+    key = weight.data_ptr()
+    assert key in fbgemm_int8._PACKED
+    del weight
+    gc.collect()
+    assert key not in fbgemm_int8._PACKED
+    with pytest.raises(RuntimeError, match="not packed"):
+        fbgemm_int8.int8_mm(torch.ones(1, 16), torch.ones(8, 16, dtype=torch.int8))
 
 
 def test_engine_with_w8a8_is_batch_invariant(tiny_checkpoint):
