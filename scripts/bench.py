@@ -202,6 +202,7 @@ class Bench:
                     log(f"{name}: {peer.name} {dtype}")
                     getattr(self, name)(peer, dtype)
             peer.close()
+            self.save()  # an interrupted run keeps what it measured
         self.report()
 
     def stream(self, peer: P.Peer, dtype: str) -> None:
@@ -212,6 +213,7 @@ class Bench:
         gbs = P.gpt2_decode_bytes(self.ckpt, BYTES_PER_PARAM.get(dtype.partition("+")[0], 4)) / r.tpot_s / 1e9
         self.results.setdefault("stream", []).append({**asdict(r), "token_ids": None, "label": f"{peer.name} {dtype}",
                                                       "gbs": gbs, "bandwidth_pct": 100 * gbs / self.bandwidth})
+        log(f"  TTFT {1000 * r.ttft_s:.1f} ms, TPOT {1000 * r.tpot_s:.1f} ms")
 
     def seed000(self, peer: P.Peer, dtype: str) -> None:
         w = W.seed000(self.encode, n_prompts=self.args.queries)
@@ -227,6 +229,7 @@ class Bench:
                 "est_seconds_all": r.seconds * (scale if extrapolated else 1), "extrapolated": extrapolated,
                 "avg_batch": r.tokens_generated / r.steps if r.steps else float("nan"),
             })
+            log(f"  {r.mode}: {r.tok_per_s:,.1f} tok/s")
 
     def seed002(self, peer: P.Peer, dtype: str) -> None:
         sizes = [int(b) for b in self.args.batch_sizes.split(",")]
@@ -238,6 +241,7 @@ class Bench:
                 "label": f"{peer.name} {dtype}", "batch": len(w.prompts), "tok_per_s": r.tok_per_s,
                 "ms_per_step": 1000 * r.seconds / w.max_new_tokens,
             })
+            log(f"  batch {len(w.prompts)}: {r.tok_per_s:,.1f} tok/s")
 
     def serving(self, peer: P.Peer, dtype: str) -> None:
         for rate in [float(x) for x in self.args.rates.split(",")]:
@@ -248,7 +252,6 @@ class Bench:
 
     def report(self) -> None:
         out = Path(self.args.out)
-        out.mkdir(parents=True, exist_ok=True)
         print(f"Checkpoint {self.ckpt} | threads {P.THREADS} | memory read bandwidth {self.bandwidth:.1f} GB/s\n")
         if rows := self.results.get("stream"):
             print("### One stream (seed 001/003): 8-token prompt, 128 greedy tokens\n")
@@ -271,10 +274,16 @@ class Bench:
                          "tok/s"],
                         [[r["label"], r["mode"], r["rate"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"],
                           r["tpot_p99_ms"], r["tok_per_s"]] for r in rows]) + "\n")
+        log(f"wrote {self.save()}")
+
+    def save(self) -> Path:
+        """bench.json with every result so far."""
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
         path = out / "bench.json"
         path.write_text(json.dumps({"checkpoint": str(self.ckpt), "threads": P.THREADS,
                                     "bandwidth_gbs": self.bandwidth, **self.results}, indent=2))
-        log(f"wrote {path}")
+        return path
 
     @staticmethod
     def plot(rows: list[dict], path: Path) -> None:
