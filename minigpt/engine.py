@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minigpt.attention import PrefillSegment, StepMetadata, select_backend
+from minigpt.cpu_linear import prepare_linears
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
-from minigpt.packed_linear import can_pack, pack_linears
 from minigpt.progress import Progress
 from minigpt.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logprobs
 from minigpt.scheduler import ScheduledBatch, Scheduler
@@ -134,8 +134,8 @@ class Engine:
             from minigpt.quantize import quantize
 
             quantize(self.model, config.quantize)
-        elif can_pack(dtype, device):
-            pack_linears(self.model)
+        else:
+            prepare_linears(self.model, dtype, device)
         self.model_config = self.model.config
         self.device = device
         self.backend = select_backend(config.attention_backend, device)

@@ -1,0 +1,88 @@
+"""CPU linears (minigpt/cpu_linear.py): the same products as nn.Linear, eager and compiled, and the
+engine uses the one `cpu_linear_for` picks for every linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minigpt import LLM, SamplingParams
+from minigpt.cpu_linear import SMALL_BATCH, HalfWeightLinear, PackedLinear, cpu_linear_for
+
+CPU = torch.device("cpu")
+needs_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU's oneDNN has no bf16"
+)
+# bf16 results are rounded once from fp32 sums: two kernels may differ by that last rounding.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+SHAPES = [(1, 64), (5, 64), (2, 3, 64), (SMALL_BATCH + 1, 64), (4, 7, 64)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_packed_linear_equals_linear(shape, bias, dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias).to(dtype)
+    x = torch.randn(shape, dtype=dtype)
+    got = PackedLinear(linear)(x)
+    assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
+    torch.testing.assert_close(got, linear(x), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weight_linear_equals_linear(shape, bias, dtype, monkeypatch):
+    """Small batches through the half kernel, larger ones upcast a few weight rows at a time (rows
+    shrunk here so the 96 outputs take several chunks)."""
+    monkeypatch.setattr("minigpt.cpu_linear.UPCAST_ROWS", 40)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias).to(dtype)
+    x = torch.randn(shape, dtype=dtype)
+    got = HalfWeightLinear(linear)(x)
+    assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
+    want = linear.float()(x.float())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", [PackedLinear, HalfWeightLinear])
+def test_cpu_linears_compile_as_one_call(kind):
+    torch.manual_seed(0)
+    dtype = torch.float32 if kind is PackedLinear else torch.bfloat16
+    module = kind(torch.nn.Linear(64, 96).to(dtype))
+    op = {PackedLinear: torch.ops.minigpt.packed_linear, HalfWeightLinear: torch.ops.minigpt.half_weight_linear}[kind]
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(module(x.to(dtype)).float() * 2)
+
+    targets = []
+
+    def inspecting_backend(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    x = torch.randn(SMALL_BATCH + 4, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(block, fullgraph=True)(x), block(x))
+        torch.compile(block, backend=inspecting_backend, fullgraph=True)(x)
+    assert targets.count(op.default) == 1
+
+
+def test_cpu_linear_choice_follows_the_cpu():
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert cpu_linear_for(torch.float32, CPU) is (PackedLinear if capability == "AVX2" else None)
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native_bf16 else HalfWeightLinear)
+    assert cpu_linear_for(torch.float32, torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_uses_the_chosen_linear_everywhere(tiny_checkpoint, dtype):
+    kind = cpu_linear_for(getattr(torch, dtype), CPU)
+    with LLM(str(tiny_checkpoint), dtype=dtype) as llm:
+        modules = list(llm.engine.model.modules())
+        assert any(isinstance(m, torch.nn.Linear) for m in modules) == (kind is None)
+        if kind is not None:
+            assert sum(isinstance(m, kind) for m in modules) == 4 * len(llm.engine.model.h) + 1
+        assert len(llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
