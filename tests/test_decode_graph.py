@@ -88,3 +88,32 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
         pool = weakref.ref(llm.engine.pool.kv)
     gc.collect()
     assert pool() is None  # close() freed the pool: the compiled step holds no reference to it
+
+
+@pytest.mark.slow
+def test_compiled_engines_keep_their_own_models(tiny_checkpoint, checkpoint_factory):
+    """Each engine compiles private copies of the steps, whose guards on the model are skipped: engines
+    alive at once, on models of the same shapes (one with other attention scales, constants inside the
+    graph) and of another shape, each give their own eager tokens, called in turn (batched, then alone
+    through the prompt and batch-1 graphs)."""
+    checkpoints = [
+        tiny_checkpoint,
+        checkpoint_factory(seed=1, scale_attn_by_inverse_layer_idx=True),
+        checkpoint_factory(seed=2, n_layer=3),
+    ]
+    prompts = random_prompts([5, 9, 17])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = []
+    for checkpoint in checkpoints:
+        with LLM(str(checkpoint)) as llm:
+            want.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert want[0] != want[1]
+    engines = [LLM(str(checkpoint), compile=True) for checkpoint in checkpoints]
+    try:
+        for _ in range(2):
+            for llm, tokens in zip(engines, want, strict=True):
+                assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+                assert llm.generate([prompts[2]], params)[0].token_ids == tokens[2]
+    finally:
+        for llm in engines:
+            llm.close()
