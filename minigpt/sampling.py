@@ -184,10 +184,9 @@ class Sampler:
         """Next token of each row from logits [len(rows), vocab] (any float dtype)."""
         logits = self._checked(logits, rows)
         if all(row.params.greedy and row.params.logprobs is None and self._untouched(row) for row in rows):
-            # The every-step path: nothing to transform. In fp32 (exact for any input dtype; on the CPU
-            # faster than a half-precision reduction even counting the cast) `max` gives argmax's index,
-            # the first maximum, and measured 1.7x faster over GPT-2's 50k logits.
-            return SamplerOutput(logits.float().max(dim=-1).indices.tolist())
+            # The every-step path: nothing to transform. In fp32: exact for any input dtype, and on the
+            # CPU faster than a half-precision reduction even counting the cast.
+            return SamplerOutput(argmax(logits.float()).tolist())
 
         x = self.process(logits, rows)
         params = [row.params for row in rows]
@@ -196,7 +195,7 @@ class Sampler:
         if len(sampled) == len(rows):
             tokens = gumbel_argmax(x, seeds, steps)
         else:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax(x)
             if sampled:
                 idx = _tensor(sampled, torch.int64, x)
                 tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
@@ -377,6 +376,30 @@ def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
     h = _fmix32((_fmix32(ids ^ lo) + hi) & _MASK32)  # two rounds: every key bit reaches every output bit
     u = (h.to(torch.float64) + 0.5) * 2.0**-32
     return -torch.log(-torch.log(u))
+
+
+ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU
+
+
+def argmax(x: Tensor) -> Tensor:
+    """Index of the first maximum of each row of x [rows, n], NaN counting as the maximum: what
+    `x.argmax(-1)` returns.
+
+    On the CPU torch's argmax (and max with indices) is not vectorized: 5.2 ms over 100 rows of
+    GPT-2's 50k logits on 2 cores, against 0.4 ms for `amax`. So each row's maximum is found among
+    the maxima of its blocks of `ARGMAX_BLOCK` columns, then inside the first block holding it
+    (1.1 ms; the same at one row)."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return x.argmax(dim=-1)
+    rows, n = x.shape
+    full = n - n % ARGMAX_BLOCK
+    maxima = x[:, :full].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    if full < n:
+        maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK
+    # the last block may be short: its columns past the end repeat the last one, after the real ones
+    columns = (start + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=n - 1)
+    return (start + x.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def gumbel_argmax(x: Tensor, seeds: Sequence[int], steps: Sequence[int]) -> Tensor:

@@ -12,6 +12,7 @@ from minigpt.sampling import (
     Sampler,
     SamplerOutput,
     SamplingParams,
+    argmax,
     gumbel_argmax,
     gumbel_noise,
     prompt_logprobs,
@@ -234,6 +235,19 @@ def test_greedy_is_argmax_on_fast_and_slow_paths():
     assert slow.token_ids == fast.token_ids
     mixed = sampler(logits, [Row(SamplingParams(temperature=1.0 if i % 2 else 0.0), seed=i) for i in range(5)])
     assert mixed.token_ids[::2] == fast.token_ids[::2]
+
+
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1000, 50257])
+def test_blocked_argmax_is_torchs_argmax(vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(7, vocab)
+    x[1] = x[1].round()  # many ties: the first maximum wins
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, -1] = 1e9  # the maximum in a short last block
+    x[5] = 0.0
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x[:0]), x[:0].argmax(-1))
 
 
 def test_greedy_takes_the_argmax_of_penalised_logits():
