@@ -31,6 +31,7 @@ def available(device: torch.device) -> bool:
         device.type == "cpu"
         and torch.backends.cpu.get_cpu_capability() == "AVX2"
         and "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")  # not in every torch
     )
 
 
