@@ -21,6 +21,7 @@ import torch
 
 ACTIVATION_LEVELS = 63  # activations are rounded to integers in [-63, 63]
 _ZERO_POINT = 64
+_OPS = ("linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")  # the quantized ops used here
 _PACKED: dict[int, torch.ScriptObject] = {}  # data_ptr of an int8 weight -> its fbgemm packing
 
 
@@ -31,7 +32,7 @@ def available(device: torch.device) -> bool:
         device.type == "cpu"
         and torch.backends.cpu.get_cpu_capability() == "AVX2"
         and "fbgemm" in torch.backends.quantized.supported_engines
-        and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")  # not in every torch
+        and all(hasattr(torch.ops.quantized, op) for op in _OPS)  # not in every torch
     )
 
 
