@@ -25,15 +25,17 @@ _OPS = ("linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")  # th
 _PACKED: dict[int, torch.ScriptObject] = {}  # data_ptr of an int8 weight -> its fbgemm packing
 
 
+def built_in() -> bool:
+    """This torch has fbgemm and the quantized ops used here (not every build or version does)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and all(
+        hasattr(torch.ops.quantized, op) for op in _OPS
+    )
+
+
 def available(device: torch.device) -> bool:
     """fbgemm's kernels are the fast int8 products on this CPU: x86 without AVX-512, where
     `torch._int_mm` has no vectorized kernel (with AVX-512 it runs oneDNN's, faster than fbgemm)."""
-    return (
-        device.type == "cpu"
-        and torch.backends.cpu.get_cpu_capability() == "AVX2"
-        and "fbgemm" in torch.backends.quantized.supported_engines
-        and all(hasattr(torch.ops.quantized, op) for op in _OPS)  # not in every torch
-    )
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2" and built_in()
 
 
 def pack(weight: torch.Tensor) -> None:

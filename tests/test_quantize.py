@@ -12,9 +12,7 @@ from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
 from minigpt.quantize import Int8Linear, W8A8Linear, quantize
 
-needs_fbgemm = pytest.mark.skipif(
-    "fbgemm" not in torch.backends.quantized.supported_engines, reason="torch built without fbgemm"
-)
+needs_fbgemm = pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
 
 PROMPTS = ["Hello there", "Another prompt, longer than the first one", "x"]
 
