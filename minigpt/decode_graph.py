@@ -45,12 +45,16 @@ def decode_step(
     kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W] pages of each sequence;
     context_lens: [B] tokens including this step's. Scores, softmax and the weighted sum run in fp32.
     Written as products and sums, not SDPA: that is the form inductor fuses with the page reads.
+    The pages stay a dimension of their own (B, W, block_size, ...) and the weighted sum of values
+    adds up each page before adding the pages: summed over all W * block_size tokens at once, inductor
+    loops over tokens innermost, looking up the page and striding across rows for every 8 floats
+    (measured 1.9x slower for one layer's attention at batch 100, ~110 tokens, 2 AVX2 cores).
     """
-    num_heads, head_dim = model.config.n_head, model.config.head_dim
     batch = input_ids.shape[0]
-    length = block_tables.shape[1] * kv_pool.shape[3]
+    width, block_size = block_tables.shape[1], kv_pool.shape[3]
     pages = block_tables.long()
-    cached = torch.arange(length, device=input_ids.device)[None, :] < (context_lens[:, None] - 1)  # (B, L)
+    positions_in_pages = torch.arange(width * block_size, device=input_ids.device).view(1, width, block_size)
+    cached = positions_in_pages < (context_lens[:, None, None] - 1)  # (B, W, block_size)
     x = model.embed(input_ids, positions)
     new_kv = []
     for layer, block in enumerate(model.h):
@@ -58,14 +62,15 @@ def decode_step(
         q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
         new_kv.append(torch.stack([k, v]))
         q, k, v = q.float(), k.float(), v.float()
-        keys = kv_pool[layer, 0][pages].view(batch, length, num_heads, head_dim).float()
-        values = kv_pool[layer, 1][pages].view(batch, length, num_heads, head_dim).float()
-        scores = (q[:, None] * keys).sum(-1).mul(attn.scale).masked_fill(~cached[:, :, None], float("-inf"))
+        keys = kv_pool[layer, 0][pages].float()  # (B, W, block_size, H, D)
+        values = kv_pool[layer, 1][pages].float()
+        scores = (q[:, None, None] * keys).sum(-1).mul(attn.scale).masked_fill(~cached[..., None], float("-inf"))
         own = (q * k).sum(-1).mul(attn.scale)  # (B, H): the query against its own key
-        top = torch.maximum(scores.amax(1), own)
-        weights, own_weight = torch.exp(scores - top[:, None]), torch.exp(own - top)
-        total = weights.sum(1) + own_weight
-        y = ((weights[..., None] * values).sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
+        top = torch.maximum(scores.amax((1, 2)), own)
+        weights, own_weight = torch.exp(scores - top[:, None, None]), torch.exp(own - top)
+        total = weights.sum((1, 2)) + own_weight
+        by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
+        y = (by_page.sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
         x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(batch, -1)))
     return model.head(x), torch.stack(new_kv)
 
