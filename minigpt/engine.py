@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minigpt.attention import PrefillSegment, StepMetadata, select_backend
+from minigpt.attention import PrefillSegment, StepMetadata, TorchBackend, select_backend
 from minigpt.cpu_linear import prepare_linears
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
@@ -349,6 +349,8 @@ class Engine:
 
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
+        if isinstance(self.backend, TorchBackend):
+            self.backend.workspace = torch.empty(0)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
 
+from minigpt.attention import TorchBackend
 from minigpt.kernels import reference
 
 HERE = Path(__file__).parent
@@ -59,6 +60,23 @@ def test_reference_decode_fp16_softmax_runs_in_fp32() -> None:
     p.scale = 1.0
     out = reference.paged_decode_attention(*decode_args(p))
     torch.testing.assert_close(out.double(), naive_decode_attention(p), **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_reuses_one_gather_buffer(dtype: torch.dtype) -> None:
+    """The engine's CPU backend gathers pages into a buffer it keeps: results equal the reference's fresh
+    gathers whether the buffer is new, left over (larger, stale) from a bigger step, or regrown."""
+    backend = TorchBackend()
+    big = make_pages([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=dtype, seed=1)
+    small = make_pages([9, 30], 16, num_heads=3, head_dim=64, dtype=dtype, seed=2)
+    bigger = make_pages([130, 1, 64, 33, 17, 90], 16, num_heads=3, head_dim=64, dtype=dtype, seed=3)
+    buffers = []
+    for p in (big, small, bigger):
+        out = backend.decode(*decode_args(p))
+        assert torch.equal(out, reference.paged_decode_attention(*decode_args(p)))
+        buffers.append(backend.workspace)
+    assert buffers[1] is buffers[0], "a smaller step must reuse the buffer"
+    assert buffers[2].numel() == 2 * bigger.block_tables.numel() * bigger.k_cache[0].numel()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
