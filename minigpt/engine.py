@@ -139,14 +139,16 @@ class Engine:
         self.model_config = self.model.config
         self.device = device
         self.backend = select_backend(config.attention_backend, device)
-        num_tokens = config.kv_cache_tokens or min(
-            config.kv_cache_memory // bytes_per_token(self.model_config, dtype),
-            config.max_num_seqs * self.model_config.n_positions,  # more than this is never used
-        )
-        num_blocks = num_tokens // config.block_size
+        bs = config.block_size
+        if config.kv_cache_tokens:
+            num_tokens = config.kv_cache_tokens
+            num_blocks = num_tokens // bs
+        else:  # from the memory budget, capped at max_num_seqs full contexts of whole pages each
+            num_tokens = config.kv_cache_memory // bytes_per_token(self.model_config, dtype)
+            num_blocks = min(num_tokens // bs, config.max_num_seqs * -(-self.model_config.n_positions // bs))
         if num_blocks < 1:
-            raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {config.block_size} tokens")
-        self.pool = KVPool(self.model_config, num_blocks, config.block_size, dtype, device)
+            raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {bs} tokens")
+        self.pool = KVPool(self.model_config, num_blocks, bs, dtype, device)
         self.decode_graph = None
         if config.compile:
             from minigpt.decode_graph import DecodeGraph
@@ -288,8 +290,15 @@ class Engine:
 
     def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.config.block_size
-        prefills = [(s, c) for s, c in chunks if not (c == 1 and s.num_computed_tokens > 0)]
-        decodes = [s for s, c in chunks if c == 1 and s.num_computed_tokens > 0]
+        # A decode is the one token left after a computed context; a single token of a prompt still
+        # being computed (chunked prefill, a prefix-cache hit) is a prefill chunk like any other.
+        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[Sequence] = []
+        for seq, chunk in chunks:
+            if chunk == seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, chunk))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

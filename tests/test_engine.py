@@ -41,10 +41,11 @@ def _run(llm: LLM, prompts) -> list[list[int]]:
         {"block_size": 8},
         {"block_size": 32, "enable_prefix_caching": False},
         {"max_num_batched_tokens": 24},  # long prompts prefilled in chunks, mixed with decodes
+        {"max_num_batched_tokens": 2},  # one-token prompt chunks of partly computed prompts
         {"max_num_seqs": 3},
         {"kv_cache_tokens": 160},  # far too small for all at once: preemption and recompute
     ],
-    ids=["default", "block8", "block32-nocache", "chunked", "few-seqs", "tiny-pool"],
+    ids=["default", "block8", "block32-nocache", "chunked", "chunked-by-1", "few-seqs", "tiny-pool"],
 )
 def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_args):
     prompts, want = expected
@@ -68,11 +69,14 @@ def test_each_request_alone_equals_batched(tiny_checkpoint, expected):
             assert llm.generate([prompt], SamplingParams(max_tokens=m, ignore_eos=True))[0].token_ids == tokens
 
 
-def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference):
+@pytest.mark.parametrize("budget", [2048, 3], ids=["default", "one-token-chunks"])
+def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference, budget):
+    """With a budget of 3 tokens a step, a prompt admitted after a hit is computed in chunks that
+    include single tokens of a partly computed prompt: those are prompt positions, not decodes."""
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 17], seed=8)] + [shared]
     want = [hf_greedy(reference, p, 10) for p in prompts]
-    with LLM(str(tiny_checkpoint)) as llm:
+    with LLM(str(tiny_checkpoint), max_num_batched_tokens=budget) as llm:
         first = llm.generate(prompts[:1], SamplingParams(max_tokens=10, ignore_eos=True))
         rest = llm.generate(prompts[1:], SamplingParams(max_tokens=10, ignore_eos=True))
         assert llm.engine.blocks.num_hit_blocks >= 3 * 2  # 40 shared tokens = 2 full blocks of 16
@@ -85,6 +89,15 @@ def test_prompt_at_full_context(tiny_checkpoint, reference):
     prompt = random_prompts([n_positions - 8], seed=3)[0]
     with LLM(str(tiny_checkpoint)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(reference, prompt, 8)
+
+
+def test_default_pool_holds_a_full_context_whatever_the_block_size(tiny_checkpoint, reference):
+    """One sequence at a time and 48-token pages: 128 positions need 3 pages, not the 2 that fit in 128 tokens."""
+    prompt = random_prompts([120], seed=4)[0]
+    with LLM(str(tiny_checkpoint), max_num_seqs=1, block_size=48) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert llm.kv_cache_info["num_blocks"] == 3
     assert out.token_ids == hf_greedy(reference, prompt, 8)
 
 
