@@ -37,9 +37,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and self.in_features % 8 == 0:
             # torch's CPU int8 kernel is vectorized for half activations only (fp32 input measured
-            # ~10x slower), so fp32 activations pass through bf16 for this product.
+            # ~10x slower), so fp32 activations pass through bf16 for this product. It reads inputs
+            # 8 at a time: other sizes gave wrong products or crashed (torch 2.13, AVX2), so they
+            # take the dequantizing product below (GPT-2's sizes are all multiples of 64).
             half = flat.to(self.half_scales.dtype)
             out = torch.ops.aten._weight_int8pack_mm(half, self.weight, self.half_scales).to(flat.dtype)
         else:

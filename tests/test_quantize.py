@@ -17,11 +17,13 @@ needs_fbgemm = pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch with
 PROMPTS = ["Hello there", "Another prompt, longer than the first one", "x"]
 
 
-def test_int8_linear_matches_dequantized_weights():
+@pytest.mark.parametrize("in_features", [64, 60, 20])
+def test_int8_linear_matches_dequantized_weights(in_features):
+    """Also for input sizes that are not multiples of 8, where torch's CPU int8 kernel is wrong (or crashes)."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 96)
+    linear = torch.nn.Linear(in_features, 96)
     q = Int8Linear(linear)
-    x = torch.randn(5, 64)
+    x = torch.randn(5, in_features)
     dequantized = q.weight.float() * q.scales.float()[:, None]
     assert (dequantized - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-7  # rounding error bound
     expected = x @ dequantized.t() + linear.bias
