@@ -41,11 +41,15 @@ def _bad(field: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {expected}, got {value!r}")
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request; checked at construction so bad values fail at submission.
 
-    temperature=0 is greedy, top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to
+    temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
+    overflows float32; vLLM draws the same line); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to
     tuples (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives
     per generated / prompt token (0: only the token's own logprob).
     """
@@ -99,7 +103,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Greedy requests take the argmax and never consume randomness."""
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @staticmethod
     def _int(field: str, value: Any, lo: int, hi: int | None = None) -> int:

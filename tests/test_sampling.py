@@ -237,6 +237,16 @@ def test_greedy_is_argmax_on_fast_and_slow_paths():
     assert mixed.token_ids[::2] == fast.token_ids[::2]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 5e-324])
+def test_tiny_temperatures_are_greedy(temperature):
+    """Dividing float32 logits by these overflows: they must not sample garbage."""
+    logits = random_logits(5)
+    params = SamplingParams(temperature=temperature, seed=0)
+    assert params.greedy
+    out = Sampler(V)(logits, [Row(params, seed=i) for i in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1000, 50257])
 def test_blocked_argmax_is_torchs_argmax(vocab):
     torch.manual_seed(vocab)
