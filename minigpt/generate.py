@@ -46,13 +46,15 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts_file is None:
         return [args.prompt if args.prompt is not None else "Hello, my name is"]
     if args.prompts_file == "-":
-        lines = sys.stdin.read().splitlines()
+        text = sys.stdin.read()
     else:
         try:
             with open(args.prompts_file, encoding="utf-8") as handle:
-                lines = handle.read().splitlines()
+                text = handle.read()
         except OSError as err:
             raise ValueError(f"cannot read --prompts-file: {err.strerror}: {args.prompts_file}") from None
+    # Lines end at \n (or \r\n) only: str.splitlines() would also split a prompt at U+2028, form feeds, ...
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise ValueError(f"no prompts in {args.prompts_file}")
@@ -80,8 +82,9 @@ def run(args: argparse.Namespace) -> None:
     )
     with LLM(args.model, **engine_args_from(args)) as llm:
         if len(prompts) == 1 and not args.json:
+            deltas = llm.stream(prompts[0], params)  # bad input raises here, before anything is written
             sys.stdout.write(prompts[0])
-            for delta in llm.stream(prompts[0], params):
+            for delta in deltas:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")

@@ -28,11 +28,11 @@ def test_streams_the_same_text_as_the_api(tiny_checkpoint):
 
 def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("first prompt\n\nsecond one 🎉\nthird\n", encoding="utf-8")
+    prompts.write_text("first prompt\n\nsecond one 🎉\r\nthird\u2028part\x0cone\n", encoding="utf-8")
     assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--json", "--quiet",
                  "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40", "--seed", "3"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["prompt"] for r in rows] == ["first prompt", "second one 🎉", "third"]
+    rows = [json.loads(line) for line in capsys.readouterr().out.split("\n") if line]
+    assert [r["prompt"] for r in rows] == ["first prompt", "second one 🎉", "third\u2028part\x0cone"]  # lines end at \n
     for r in rows:
         assert r["finish_reason"] in ("stop", "length") and 1 <= len(r["token_ids"]) <= 5
         assert r["time_to_first_token_s"] > 0
@@ -40,7 +40,7 @@ def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
     assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--json", "--quiet",
                  "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "40", "--seed", "3"]) == 0
     again.write_text(capsys.readouterr().out)
-    assert [json.loads(line)["token_ids"] for line in again.read_text().splitlines()] == [
+    assert [json.loads(line)["token_ids"] for line in again.read_text().split("\n") if line] == [
         r["token_ids"] for r in rows
     ], "a seed makes sampling reproducible"
 
@@ -63,7 +63,9 @@ def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
 def test_bad_input_is_one_clear_line(tiny_checkpoint, capsys, args, message):
     argv = ["--model", str(tiny_checkpoint), "--quiet"] + args
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
 
 
