@@ -474,6 +474,8 @@ class LLM:
             return [SamplingParams()] * len(prompts)
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
+        if not isinstance(params, SequenceABC):
+            raise TypeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")

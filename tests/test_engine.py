@@ -204,6 +204,12 @@ def test_close_and_context_manager(tiny_checkpoint):
     a.close()
 
 
+def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
+        with pytest.raises(TypeError, match="SamplingParams or a list of them, got dict"):
+            llm.generate(["x"], {"max_tokens": 2})
+
+
 def test_unknown_engine_argument(tiny_checkpoint):
     with pytest.raises(TypeError, match="kv_cache_tokenz"):
         LLM(str(tiny_checkpoint), kv_cache_tokenz=4)
