@@ -180,7 +180,7 @@ class Engine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
+            vocab = self.sampler.vocab_limit  # ids with a token: a padded vocabulary's extra rows have none
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")

@@ -191,6 +191,8 @@ def test_big_vocab_never_samples_past_the_tokenizer(checkpoint_factory):
         assert llm.engine.sampler.vocab_limit == 50257
         out = llm.generate(["abc"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
         assert max(out.token_ids) < 50257
+        with pytest.raises(ValueError, match=r"token id 50300 is outside the vocabulary \[0, 50257\)"):
+            llm.generate([[1, 50300]])  # an embedding row of the padding, no token: it could not be decoded
 
 
 def test_close_and_context_manager(tiny_checkpoint):
