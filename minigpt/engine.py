@@ -158,7 +158,9 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id
-        self.sampler = Sampler(min(self.tokenizer.n_vocab, self.model_config.vocab_size), self.eos_token_id)
+        # Ids a token can have: a checkpoint's embedding may be padded past the tokenizer (50304 rows)
+        self.vocab_limit = min(self.tokenizer.n_vocab, self.model_config.vocab_size)
+        self.sampler = Sampler(self.vocab_limit, self.eos_token_id)
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -180,10 +182,9 @@ class Engine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
-            vocab = self.sampler.vocab_limit  # ids with a token: a padded vocabulary's extra rows have none
-            bad = [t for t in ids if not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_limit})")
         else:
             raise TypeError("a prompt must be a string or a list of token ids")
         if not ids:
