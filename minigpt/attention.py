@@ -82,6 +82,10 @@ class TorchBackend:
             query, k_cache, v_cache, block_tables, context_lens, scale, self.workspace
         )
 
+    def close(self) -> None:
+        """Free the gather buffer (the engine is closing)."""
+        self.workspace = torch.empty(0)
+
 
 class TritonBackend:
     """Decode attention and KV stores through the Triton kernels: compiled on CUDA; on other devices
@@ -98,6 +102,9 @@ class TritonBackend:
         self.decode = paged_attention.paged_decode_attention
         # triton.jit reads TRITON_INTERPRET when it decorates: the kernels' type says which way they went.
         self.interpreted = not isinstance(paged_attention._paged_decode_kernel, JITFunction)
+
+    def close(self) -> None:
+        """Nothing to free: the kernels keep no buffers."""
 
 
 def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minigpt.attention import PrefillSegment, StepMetadata, TorchBackend, select_backend
+from minigpt.attention import PrefillSegment, StepMetadata, select_backend
 from minigpt.cpu_linear import prepare_linears
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
@@ -155,7 +155,7 @@ class Engine:
             from minigpt.quantize import compile_options
 
             self.decode_graph = DecodeGraph(self.model, self.pool, compile_options(config.quantize, device))
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_id = self.model_config.eos_token_id
         # Ids a token can have: a checkpoint's embedding may be padded past the tokenizer (50304 rows)
@@ -359,8 +359,7 @@ class Engine:
 
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
-        if isinstance(self.backend, TorchBackend):
-            self.backend.workspace = torch.empty(0)
+        self.backend.close()
 
 
 @dataclass
