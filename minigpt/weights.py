@@ -30,8 +30,14 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-HUB_FILES = ["config.json", "vocab.json", "merges.txt", "tokenizer.json", "*.safetensors", "*.safetensors.index.json"]
-HUB_FALLBACK_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+# Files at the repo's root only (fnmatch's * also crosses "/": "*.safetensors" would fetch every
+# checkpoint-*/ folder of a fine-tune): the tokenizer, and the weights in transformers' names.
+HUB_FILES = ["config.json", "vocab.json", "merges.txt", "tokenizer.json",
+             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
+HUB_FALLBACK_FILES = ["pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json"]
+# What the loader reads, in the order it prefers
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors",
+                "pytorch_model.bin.index.json", "pytorch_model.bin")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
 
@@ -94,34 +100,37 @@ def _download(repo_id: str) -> Path:
             f"{repo_id!r} is neither a local directory nor a model on the Hugging Face hub"
         ) from None
     except Exception as err:  # network down, offline mode without a cached copy, ...
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         raise FileNotFoundError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}). With no network, "
-            "pass a local checkpoint directory instead (python scripts/make_checkpoint.py writes one)"
+            f"{repo_id!r} is not a local directory and could not be fetched from the Hugging Face hub "
+            f"({type(err).__name__}: {reason}). With no network, pass a local checkpoint directory instead "
+            "(python scripts/make_checkpoint.py writes one)"
         ) from None
     return path
 
 
 def _weight_files_present(path: Path) -> bool:
-    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    return any((path / name).exists() for name in WEIGHT_FILES)
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """The files holding the weights, in the order the loader prefers: safetensors first."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = path / index_name
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
-                raise CheckpointError(f"{index} is not a valid shard index: {err}") from None
-            shards = [path / name for name in sorted(set(weight_map.values()))]
-            missing = [str(s) for s in shards if not s.exists()]
-            if missing:
-                raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
-            return shards
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).exists():
-            return [path / name]
+    """The files holding the weights, in the order the loader prefers (`WEIGHT_FILES`): safetensors
+    first, as transformers does (a repo that ships both may have been downloaded without its .bin)."""
+    for name in WEIGHT_FILES:
+        file = path / name
+        if not file.exists():
+            continue
+        if not name.endswith(".index.json"):
+            return [file]
+        try:
+            weight_map = json.loads(file.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{file} is not a valid shard index: {err}") from None
+        shards = [path / shard for shard in sorted(set(weight_map.values()))]
+        missing = [str(s) for s in shards if not s.exists()]
+        if missing:
+            raise CheckpointError(f"{file} lists shards that are missing: {', '.join(missing)}")
+        return shards
     raise FileNotFoundError(
         f"no weights in {path}: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
     )
@@ -188,7 +197,9 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
                     + (" (after transposing Conv1D)" if key.endswith(CONV1D_WEIGHTS) else "")
                 )
             target = torch.float32 if is_layernorm(key) else dtype
-            state[key] = tensor.to(device=device, dtype=target).contiguous()
+            # Always a copy: a tensor read from the file may be a view of its memory map, and the model
+            # must not change (or die of SIGBUS) when the file is overwritten after loading.
+            state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
     if unexpected:
         raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected)[:10])}")

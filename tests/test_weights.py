@@ -156,3 +156,42 @@ def test_loads_straight_into_dtype(tiny_checkpoint, dtype):
     for name, param in model.named_parameters():
         assert param.dtype == (torch.float32 if ".ln_" in name or name.startswith("ln_f") else dtype), name
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("file_name", ["model.safetensors", "pytorch_model.bin"])
+def test_loaded_model_does_not_depend_on_its_file(tmp_path, tiny_checkpoint, file_name):
+    """Overwriting the weights file in place (same inode, as `cp` does) must not reach a loaded model."""
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    if file_name == "pytorch_model.bin":
+        torch.save(load_file(path / "model.safetensors"), path / file_name)
+        (path / "model.safetensors").unlink()
+    model = GPT2.from_pretrained(path)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        before = model(ids)
+        with open(path / file_name, "r+b") as f:  # zero everything past the first KiB of headers
+            size = f.seek(0, 2)
+            f.seek(1024)
+            f.write(bytes(size - 1024))
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
+
+
+def test_safetensors_preferred_over_a_bin_index(tmp_path, tiny_checkpoint):
+    """A repo shipping both formats, downloaded without its .bin shards, loads from its safetensors."""
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    index = {"metadata": {}, "weight_map": {"transformer.wte.weight": "pytorch_model-00001-of-00002.bin"}}
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    _logits_match(path)
+
+
+def test_hub_patterns_fetch_only_the_root_files():
+    from huggingface_hub.utils import filter_repo_objects
+
+    from minigpt.weights import HUB_FALLBACK_FILES, HUB_FILES
+
+    repo = ["config.json", "vocab.json", "merges.txt", "model.safetensors", "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json", "pytorch_model.bin", "checkpoint-500/model.safetensors",
+            "onnx/model.safetensors", "checkpoint-500/pytorch_model.bin", "flax_model.msgpack"]
+    picked = set(filter_repo_objects(repo, allow_patterns=HUB_FILES + HUB_FALLBACK_FILES))
+    assert picked == {"config.json", "vocab.json", "merges.txt", "model.safetensors",
+                      "model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"}
