@@ -182,13 +182,13 @@ class Engine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_limit]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_limit})")
         else:
             raise TypeError("a prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_limit]
+        if bad:  # text too: a tokenizer may know more ids than the model has rows
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_limit})")
         limit = self.model_config.n_positions
         if len(ids) + params.max_tokens > limit:
             raise ValueError(
@@ -442,6 +442,7 @@ class LLM:
             self.engine.add(request)
             try:
                 while not seq.finished:
+                    self._check_open()  # the caller may have closed the LLM between two deltas
                     self.engine.step()
                     delta = seq.take_text_delta()
                     if delta:

@@ -195,6 +195,15 @@ def test_big_vocab_never_samples_past_the_tokenizer(checkpoint_factory):
             llm.generate([[1, 50300]])  # an embedding row of the padding, no token: it could not be decoded
 
 
+def test_text_prompt_with_ids_past_a_small_model_vocab_is_refused(checkpoint_factory):
+    path = checkpoint_factory(vocab_size=1000)  # GPT-2's tokenizer, a 1000-row embedding
+    with LLM(str(path)) as llm:
+        with pytest.raises(ValueError, match=r"token id 15496 is outside the vocabulary \[0, 1000\)"):
+            llm.generate("Hello world")
+        assert llm.generate("!", SamplingParams(max_tokens=2))[0].token_ids  # id 0: fine
+        assert_all_free(llm)
+
+
 def test_close_and_context_manager(tiny_checkpoint):
     a = LLM(str(tiny_checkpoint), kv_cache_tokens=256)
     with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as b:
@@ -204,6 +213,15 @@ def test_close_and_context_manager(tiny_checkpoint):
         b.generate(["x"])
     a.close()
     a.close()
+
+
+def test_stream_resumed_after_close_says_closed(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), kv_cache_tokens=256)
+    deltas = llm.stream("abc", SamplingParams(max_tokens=20, ignore_eos=True))
+    next(deltas)
+    llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(deltas)
 
 
 def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
