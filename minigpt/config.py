@@ -60,7 +60,7 @@ class GPT2Config:
     reorder_and_upcast_attn: bool = False
     tie_word_embeddings: bool = True
     bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
+    eos_token_id: int | tuple[int, ...] | None = 50256  # several: generation ends at any of them
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -78,10 +78,16 @@ class GPT2Config:
             )
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"config.json: layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
+        self.eos_token_ids  # noqa: B018 (raises on ids that are not ints)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id of config.json's eos_token_id (one id or a list)."""
+        return _id_tuple(self.eos_token_id, "config.json: eos_token_id")
 
     @property
     def inner_dim(self) -> int:
@@ -109,7 +115,7 @@ class GPT2Config:
                 values[name] = value
         eos = values.get("eos_token_id")
         if isinstance(eos, list):
-            values["eos_token_id"] = eos[0] if eos else None
+            values["eos_token_id"] = tuple(eos) if len(eos) > 1 else eos[0] if eos else None
         return cls(**values)
 
     @classmethod
@@ -131,3 +137,25 @@ class GPT2Config:
         out.update({f.name: getattr(self, f.name) for f in fields(self)})
         out["n_ctx"] = self.n_positions
         return out
+
+
+def _id_tuple(value: Any, what: str) -> tuple[int, ...]:
+    """None, one token id or a list of them, as a tuple."""
+    ids = () if value is None else (value,) if isinstance(value, int) else value
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{what} must be a token id, a list of them or null, got {value!r}")
+    return tuple(ids)
+
+
+def eos_token_ids(checkpoint_dir: str | Path, config: GPT2Config) -> tuple[int, ...]:
+    """The ids that end a generation: those of generation_config.json when the checkpoint has one that
+    names them (transformers' `generate` reads that file before config.json), else config.json's."""
+    path = Path(checkpoint_dir) / "generation_config.json"
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+        if isinstance(raw, dict) and "eos_token_id" in raw:
+            return _id_tuple(raw["eos_token_id"], f"{path.name}: eos_token_id")
+    return config.eos_token_ids

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minigpt.attention import PrefillSegment, StepMetadata, select_backend
+from minigpt.config import eos_token_ids
 from minigpt.cpu_linear import prepare_linears
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
@@ -157,10 +158,10 @@ class Engine:
             self.decode_graph = DecodeGraph(self.model, self.pool, compile_options(config.quantize, device))
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_id = self.model_config.eos_token_id
+        self.eos_token_ids = eos_token_ids(path, self.model_config)
         # Ids a token can have: a checkpoint's embedding may be padded past the tokenizer (50304 rows)
         self.vocab_limit = min(self.tokenizer.n_vocab, self.model_config.vocab_size)
-        self.sampler = Sampler(self.vocab_limit, self.eos_token_id)
+        self.sampler = Sampler(self.vocab_limit, self.eos_token_ids)
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -206,7 +207,7 @@ class Engine:
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
             request.seqs.append(
-                Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_id, limit)
+                Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, limit)
             )
         return request
 

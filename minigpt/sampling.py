@@ -175,14 +175,14 @@ class Sampler:
     """Picks the next token of every row of a batch in one vectorized pass.
 
     Ids >= `vocab_limit` are never sampled: a checkpoint's embedding may be padded past the tokenizer's
-    vocabulary. `eos_token_id` is what `min_tokens` suppresses, along with each row's stop_token_ids.
+    vocabulary. `eos_token_ids` are what `min_tokens` suppresses, along with each row's stop_token_ids.
     """
 
-    def __init__(self, vocab_limit: int, eos_token_id: int | None = None) -> None:
+    def __init__(self, vocab_limit: int, eos_token_ids: Sequence[int] = ()) -> None:
         if not _is_int(vocab_limit) or vocab_limit < 1:
             raise ValueError(f"vocab_limit must be an int >= 1, got {vocab_limit!r}")
         self.vocab_limit = int(vocab_limit)
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Next token of each row from logits [len(rows), vocab] (any float dtype)."""
@@ -244,7 +244,7 @@ class Sampler:
         p = row.params
         if len(row.output_token_ids) >= p.min_tokens:
             return []
-        ids = {*p.stop_token_ids, *(() if self.eos_token_id is None else (self.eos_token_id,))}
+        ids = {*p.stop_token_ids, *self.eos_token_ids}
         return sorted(i for i in ids if i < self.vocab_limit)
 
     def _penalise(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -40,7 +40,7 @@ class Sequence:
         params: SamplingParams,
         seed: int,
         tokenizer: Tokenizer,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         max_model_len: int,
     ) -> None:
         self.request_id = request_id
@@ -65,8 +65,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self._decoder = IncrementalDecoder(tokenizer)
         self._stop_ids = set(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            self._stop_ids.add(eos_token_id)
+        if not params.ignore_eos:
+            self._stop_ids.update(eos_token_ids)
         self._max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
 
     @property

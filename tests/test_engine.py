@@ -3,7 +3,11 @@ give exactly what transformers' greedy `generate` gives for each request alone (
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
 
 from minigpt import LLM, SamplingParams
 
@@ -202,6 +206,28 @@ def test_text_prompt_with_ids_past_a_small_model_vocab_is_refused(checkpoint_fac
             llm.generate("Hello world")
         assert llm.generate("!", SamplingParams(max_tokens=2))[0].token_ids  # id 0: fine
         assert_all_free(llm)
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+def test_every_eos_id_of_a_list_ends_generation(tmp_path, tiny_checkpoint, file):
+    """As in transformers: generation_config.json's eos ids when it names them, else config.json's."""
+    prompt = [5, 6, 7]
+    with LLM(str(tiny_checkpoint)) as llm:
+        free = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    path = shutil.copytree(tiny_checkpoint, tmp_path / "two_eos")
+    if file == "config.json":
+        (path / "generation_config.json").unlink()
+    config = json.loads((path / file).read_text())
+    config["eos_token_id"] = [50256, free[3]]
+    (path / file).write_text(json.dumps(config))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    with LLM(str(path)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0]
+    assert out.token_ids == expected == free[: free.index(free[3]) + 1]
+    assert out.finish_reason == "stop"
 
 
 def test_close_and_context_manager(tiny_checkpoint):

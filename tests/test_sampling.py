@@ -286,7 +286,7 @@ def test_ids_past_vocab_limit_are_never_picked():
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(3, V)
     logits[:, EOS], logits[:, 42], logits[:, 7] = 9.0, 8.0, 1.0
-    sampler = Sampler(V, eos_token_id=EOS)
+    sampler = Sampler(V, eos_token_ids=(EOS,))
     params = SamplingParams(min_tokens=3, stop_token_ids=[42, V + 100])
     early = [Row(params, output_token_ids=[1, 2]), Row(params, output_token_ids=[1, 2, 3]), Row(SamplingParams())]
     assert sampler(logits, early).token_ids == [7, EOS, EOS]
@@ -306,7 +306,7 @@ def test_seeded_row_is_independent_of_batch_and_position():
     others = [SamplingParams(), SamplingParams(temperature=2.0), SamplingParams(temperature=0.5, top_k=5),
               SamplingParams(temperature=1.0, top_p=0.3, logprobs=3), SamplingParams(repetition_penalty=1.5),
               SamplingParams(temperature=1.0, min_p=0.2, presence_penalty=1.0), SamplingParams(temperature=0.7)]
-    sampler = Sampler(V, eos_token_id=EOS)
+    sampler = Sampler(V, eos_token_ids=(EOS,))
 
     def run(position: int | None) -> list[int]:
         me = Row(target, seed=1234, prompt_token_ids=[5, 6])
