@@ -125,8 +125,9 @@ class Engine:
 
     def __init__(self, model: str, config: EngineConfig) -> None:
         self.config = config
+        self._threads_before = torch.get_num_threads()
         if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(config.num_threads)  # torch's setting: the whole process's
         dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
         path = resolve_checkpoint(model)
         self.tokenizer = Tokenizer.from_dir(path)
@@ -361,6 +362,8 @@ class Engine:
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
         self.backend.close()
+        if self.config.num_threads is not None and torch.get_num_threads() == self.config.num_threads:
+            torch.set_num_threads(self._threads_before)  # unless someone has set it since
 
 
 @dataclass

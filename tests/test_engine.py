@@ -250,6 +250,13 @@ def test_stream_resumed_after_close_says_closed(tiny_checkpoint):
         next(deltas)
 
 
+def test_num_threads_is_restored_on_close(tiny_checkpoint):
+    before = torch.get_num_threads()
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=256, num_threads=before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+
+
 def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
         with pytest.raises(TypeError, match="SamplingParams or a list of them, got dict"):
