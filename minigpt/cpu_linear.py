@@ -8,7 +8,10 @@
   - fp32 on an AVX2 EPYC, against MKL: 37.7 -> 27.5 ms at batch 1, 282 -> 196 ms at batch 100.
   fp32 on AVX-512 CPUs was not measured and keeps `F.linear`.
 - `HalfWeightLinear`: bf16/fp16 weights on a CPU without that arithmetic, where torch emulates it
-  (on the AVX2 EPYC a batch-100 step's bf16 linears took 1.46 s, 7x fp32). Up to `SMALL_BATCH`
+  (on the AVX2 EPYC a batch-100 step's bf16 linears took 1.46 s, 7x fp32). torch's
+  `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX multiply
+  bf16 natively: on an AVX-512 VNNI Xeon without them, packed bf16 took GPT-2's linears 426 ms at
+  100 rows (fp32 114, upcast 133), though 13.8 at 1 row (fp32 17.8, bf16 `F.linear` 17.2). Up to `SMALL_BATCH`
   rows the half kernel stays (it reads half the bytes: 17 ms at batch 1, fp32 27.5); beyond, the
   weight is upcast and multiplied in fp32 by oneDNN (248 ms at batch 100), a few thousand rows at
   a time so the fp32 copy stays small.
@@ -21,6 +24,9 @@ Opaque also means a model with these linears cannot be deep-copied, saved or cas
 """
 
 from __future__ import annotations
+
+import functools
+import platform
 
 import torch
 import torch.nn as nn
@@ -86,16 +92,35 @@ class HalfWeightLinear(nn.Module):
         return torch.ops.minigpt.half_weight_linear.default(x, self.weight, self.bias)
 
 
+def x86_flags() -> frozenset[str] | None:
+    """This x86 CPU's feature flags from /proc/cpuinfo; None on other CPUs or where it cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """oneDNN runs bf16 and the CPU multiplies it natively (an x86 CPU whose flags cannot be read is
+    taken at oneDNN's word)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = x86_flags()
+    return flags is None or not flags.isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
 def cpu_linear_for(dtype: torch.dtype, device: torch.device) -> type[nn.Module] | None:
     """The linear a `dtype` model on `device` runs fastest with; None keeps nn.Linear."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.float32:
         return PackedLinear if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
-    native = {
-        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
-    }
+    native = {torch.bfloat16: native_bf16, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
     if dtype not in native:
         return None
     if not native[dtype]():

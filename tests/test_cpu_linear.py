@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams
-from minigpt.cpu_linear import SMALL_BATCH, HalfWeightLinear, PackedLinear, cpu_linear_for
+from minigpt import LLM, SamplingParams, cpu_linear
+from minigpt.cpu_linear import SMALL_BATCH, HalfWeightLinear, PackedLinear, cpu_linear_for, native_bf16
 
 CPU = torch.device("cpu")
 needs_bf16 = pytest.mark.skipif(
@@ -72,9 +72,38 @@ def test_cpu_linears_compile_as_one_call(kind):
 def test_cpu_linear_choice_follows_the_cpu():
     capability = torch.backends.cpu.get_cpu_capability()
     assert cpu_linear_for(torch.float32, CPU) is (PackedLinear if capability == "AVX2" else None)
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native_bf16 else HalfWeightLinear)
+    assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native_bf16() else HalfWeightLinear)
     assert cpu_linear_for(torch.float32, torch.device("meta")) is None
+
+
+AVX512_VNNI = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+
+
+@pytest.mark.parametrize(
+    "onednn_bf16, flags, native",
+    [
+        (True, AVX512_VNNI, False),  # oneDNN runs bf16 on any AVX-512 CPU, emulated without avx512_bf16
+        (True, AVX512_VNNI | {"avx512_bf16"}, True),
+        (True, AVX512_VNNI | {"amx_bf16"}, True),
+        (True, None, True),  # flags unreadable (or not x86): oneDNN's word
+        (False, AVX512_VNNI | {"avx512_bf16"}, False),
+    ],
+)
+def test_native_bf16_needs_bf16_arithmetic_not_just_onednn(monkeypatch, onednn_bf16, flags, native):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    monkeypatch.setattr(cpu_linear, "x86_flags", lambda: flags)
+    native_bf16.cache_clear()
+    try:
+        assert native_bf16() is native
+        assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native else HalfWeightLinear)
+    finally:
+        native_bf16.cache_clear()
+
+
+def test_x86_flags_reads_this_cpu():
+    flags = cpu_linear.x86_flags()
+    if flags is not None:
+        assert "sse2" in flags  # every x86-64 CPU has it
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
