@@ -140,15 +140,16 @@ def prefill_attention(
     """Causal attention of one prompt chunk. q/k/v: [T, H, D] for the chunk -> [T, H, D].
 
     Without a cached prefix the chunk attends to itself (plain causal). With one (chunked
-    prefill, prefix-cache hit) keys come from the pages and the mask from positions.
+    prefill, prefix-cache hit) keys come from the pages, converted to the query's dtype, and the
+    mask from positions.
     `upcast` (GPT-2's reorder_and_upcast_attn) computes scores and softmax in fp32.
     """
     length, context_len = segment.length, segment.context_len
     mask = None
     if context_len != length:
         num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k = k_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len]
-        v = v_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len]
+        k = k_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len].to(q.dtype)
+        v = v_cache[segment.block_table].reshape(-1, num_heads, head_dim)[:context_len].to(q.dtype)
         q_pos = torch.arange(context_len - length, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (T, context_len)
     return token_attention(q, k, v, scale, upcast, mask)

@@ -141,16 +141,17 @@ class Engine:
         self.model_config = self.model.config
         self.device = device
         self.backend = select_backend(config.attention_backend, device)
+        kv_dtype = resolve_dtype(config.kv_cache_dtype or config.dtype)
         bs = config.block_size
         if config.kv_cache_tokens:
             num_tokens = config.kv_cache_tokens
             num_blocks = num_tokens // bs
         else:  # from the memory budget, capped at max_num_seqs full contexts of whole pages each
-            num_tokens = config.kv_cache_memory // bytes_per_token(self.model_config, dtype)
+            num_tokens = config.kv_cache_memory // bytes_per_token(self.model_config, kv_dtype)
             num_blocks = min(num_tokens // bs, config.max_num_seqs * -(-self.model_config.n_positions // bs))
         if num_blocks < 1:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {bs} tokens")
-        self.pool = KVPool(self.model_config, num_blocks, bs, dtype, device)
+        self.pool = KVPool(self.model_config, num_blocks, bs, kv_dtype, device)
         self.decode_graph = None
         if config.compile:
             from minigpt.decode_graph import DecodeGraph
@@ -169,7 +170,7 @@ class Engine:
         self.on_step: Callable[[ScheduledBatch, list[Sequence]], None] | None = None  # stats hook
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
-            num_blocks, config.block_size, self.pool.num_tokens, self.pool.nbytes / 2**20, config.dtype,
+            num_blocks, config.block_size, self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype)[6:],
         )
         if self.decode_graph is not None:
             self.decode_graph.warmup()

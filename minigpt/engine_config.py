@@ -10,12 +10,13 @@ import argparse
 from dataclasses import dataclass, fields
 
 from minigpt.quantize import QUANTIZATIONS
+from minigpt.weights import DTYPES
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     dtype: str = "float32"
-    """Weights, activations and KV pool: float32 | float16 | bfloat16."""
+    """Weights, activations and (unless `kv_cache_dtype` says otherwise) the KV pool: float32 | float16 | bfloat16."""
     device: str = "cpu"
     """cpu | cuda."""
     block_size: int = 16
@@ -24,7 +25,11 @@ class EngineConfig:
     """Pool size in tokens; None sizes it from `kv_cache_memory`."""
     kv_cache_memory: int = 1024**3
     """Pool size in bytes when `kv_cache_tokens` is None (default 1 GiB: ~14.5k tokens for gpt2
-    in fp32, ~29k in bf16)."""
+    with a float32 pool, ~29k with a half-precision one)."""
+    kv_cache_dtype: str | None = None
+    """KV pool: None keeps `dtype`; float16 or bfloat16 stores keys and values in half precision
+    (twice the tokens in the same memory, half the bytes read by decode attention) while the
+    model computes in `dtype`; attention upcasts what it reads to the query's dtype."""
     max_num_seqs: int = 128
     """Sequences decoded together in one step."""
     max_num_batched_tokens: int = 2048
@@ -55,6 +60,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype is not None and str(self.kv_cache_dtype).lower() not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be None, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
 
@@ -84,6 +91,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
                         help="int8: weight-only int8 linears; w8a8: int8 weights and activations")
     engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    engine.add_argument("--kv-cache-dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                        help="KV pool dtype (default: --dtype); float16/bfloat16 halve its bytes")
     engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
@@ -99,6 +108,7 @@ def engine_args_from(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
     return dict(
         dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
         num_threads=args.threads, max_waiting=args.max_waiting, compile=args.compile,

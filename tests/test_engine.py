@@ -159,6 +159,25 @@ def test_pool_too_small_for_one_request(tiny_checkpoint):
             llm.generate([[1] * 30], SamplingParams(max_tokens=10))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_half_kv_pool_holds_twice_the_tokens(tiny_checkpoint, dtype):
+    memory = 4 * 2**20
+    with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_memory=memory) as same:
+        assert same.engine.pool.kv.dtype == getattr(torch, dtype)
+        same_tokens = same.engine.pool.num_tokens
+    for kv_cache_dtype in ("float16", "bfloat16"):
+        with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory) as half:
+            assert half.engine.pool.kv.dtype == getattr(torch, kv_cache_dtype)
+            assert half.engine.model.wte.weight.dtype == getattr(torch, dtype)
+            assert half.engine.pool.num_tokens == (same_tokens if dtype != "float32" else 2 * same_tokens)
+            assert half.generate(["a half pool"], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_unknown_kv_cache_dtype_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None, float32, float16 or bfloat16, got 'int8'"):
+        LLM(str(tiny_checkpoint), kv_cache_dtype="int8")
+
+
 def test_stop_token_and_eos(tiny_checkpoint, reference):
     prompt = random_prompts([10], seed=11)[0]
     tokens = hf_greedy(reference, prompt, 12)

@@ -451,10 +451,12 @@ def test_cli_flags_cover_the_engine():
     from minigpt import serve
     from minigpt.engine_config import engine_args_from
 
-    args = serve.build_parser().parse_args(["--model", "m", "--max-waiting", "3", "--kv-cache-tokens", "256"])
+    args = serve.build_parser().parse_args(
+        ["--model", "m", "--max-waiting", "3", "--kv-cache-tokens", "256", "--kv-cache-dtype", "bfloat16"]
+    )
     assert args.host == "127.0.0.1"
     config = EngineConfig(**engine_args_from(args))
-    assert (config.max_waiting, config.kv_cache_tokens) == (3, 256)
+    assert (config.max_waiting, config.kv_cache_tokens, config.kv_cache_dtype) == (3, 256, "bfloat16")
 
 
 def test_load_test_script(served):
