@@ -39,16 +39,25 @@ def decode_step(
     kv_pool: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    scales: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence -> (logits [B, vocab], new K/V [n_layer, 2, B, H, D]); reads, never writes, the pool.
 
     kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W] pages of each sequence;
-    context_lens: [B] tokens including this step's. Scores, softmax and the weighted sum run in fp32.
+    context_lens: [B] tokens including this step's; scales: [n_layer] each layer's attention scale.
+    Scores, softmax and the weighted sum run in fp32.
     Written as products and sums, not SDPA: that is the form inductor fuses with the page reads.
     The pages stay a dimension of their own (B, W, block_size, ...) and the weighted sum of values
     adds up each page before adding the pages: summed over all W * block_size tokens at once, inductor
     loops over tokens innermost, looking up the page and striding across rows for every 8 floats
     (measured 1.9x slower for one layer's attention at batch 100, ~110 tokens, 2 AVX2 cores).
+
+    The scale multiplies the query once, and comes as a tensor rather than a Python number for a
+    reason of inductor's: the extra buffer it reads makes inductor store the layer's dequantized
+    q/k/v (w8a8) once instead of recomputing them inside the loop over keys, for every key. That
+    recomputation cost 5% of a step at batch 100, and with a half-precision pool, whose loads widen
+    inductor's vectors to 32 lanes, it ran a scalar int32 -> float conversion per key (the step 25%
+    slower than with a float32 pool, instead of 10% faster).
     """
     batch = input_ids.shape[0]
     width, block_size = block_tables.shape[1], kv_pool.shape[3]
@@ -61,11 +70,11 @@ def decode_step(
         attn = block.attn
         q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
         new_kv.append(torch.stack([k, v]))
-        q, k, v = q.float(), k.float(), v.float()
+        q, k, v = q.float() * scales[layer], k.float(), v.float()
         keys = kv_pool[layer, 0][pages].float()  # (B, W, block_size, H, D)
         values = kv_pool[layer, 1][pages].float()
-        scores = (q[:, None, None] * keys).sum(-1).mul(attn.scale).masked_fill(~cached[..., None], float("-inf"))
-        own = (q * k).sum(-1).mul(attn.scale)  # (B, H): the query against its own key
+        scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
+        own = (q * k).sum(-1)  # (B, H): the query against its own key
         top = torch.maximum(scores.amax((1, 2)), own)
         weights, own_weight = torch.exp(scores - top[:, None, None]), torch.exp(own - top)
         total = weights.sum((1, 2)) + own_weight
@@ -73,6 +82,11 @@ def decode_step(
         y = (by_page.sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
         x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(batch, -1)))
     return model.head(x), torch.stack(new_kv)
+
+
+def attention_scales(model: GPT2) -> torch.Tensor:
+    """Each layer's attention scale, as `decode_step` takes them: [n_layer] fp32 on the model's device."""
+    return torch.tensor([block.attn.scale for block in model.h], device=model.wte.weight.device)
 
 
 def prefill_step(
@@ -129,6 +143,7 @@ class DecodeGraph:
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
         self._step = torch.compile(step, options=guards)
+        self._scales = attention_scales(model)
         self._prefill = torch.compile(prefill, options=guards)
 
     @torch.inference_mode()
@@ -197,7 +212,9 @@ class DecodeGraph:
                 torch._dynamo.mark_dynamic(tensor, 0)
         torch._dynamo.mark_dynamic(block_tables, 1)
         with self._inductor_config():
-            return self._step(self.model, input_ids, positions, self.pool.kv, block_tables, context_lens)
+            return self._step(
+                self.model, input_ids, positions, self.pool.kv, block_tables, context_lens, self._scales
+            )
 
     def _inductor_config(self) -> contextlib.AbstractContextManager:
         """`options` set around each call, where any compile or recompile happens. Not passed to
