@@ -47,6 +47,8 @@ class MinigptPeer(P.Peer):
     name = "minigpt"
     # "+compile": the same mode with EngineConfig.compile (its one-time compile is not timed).
     dtypes = tuple(mode + option for option in ("", "+compile") for mode in ("float32", "bfloat16", *QUANTIZATIONS))
+    # "+kv-float16", "+kv-bfloat16": a compiled mode over a half-precision KV pool (kv_cache_dtype); run when named.
+    extra_dtypes = tuple(f"{mode}+kv-{kv}" for mode in dtypes if "+" in mode for kv in ("float16", "bfloat16"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,8 +58,11 @@ class MinigptPeer(P.Peer):
         return None
 
     def _engine_args(self, mode: str) -> dict:
-        dtype, _, option = mode.partition("+")
-        args = {"dtype": dtype, "num_threads": P.THREADS, "compile": option == "compile"}
+        dtype, *options = mode.split("+")
+        args = {"dtype": dtype, "num_threads": P.THREADS, "compile": "compile" in options}
+        for option in options:
+            if option.startswith("kv-"):
+                args["kv_cache_dtype"] = option.removeprefix("kv-")
         if dtype in QUANTIZATIONS:
             args.update(dtype="float32", quantize=dtype)
         return args
@@ -165,7 +170,7 @@ class Bench:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
         wanted = self.args.dtypes.split(",") if self.args.dtypes else None
         peers = [p for p in (MinigptPeer(), *P.all_peers()) if chosen is None or p.name in chosen]
-        known = {name for peer in peers for d in peer.dtypes for name in (d, f"{peer.name}:{d}")}
+        known = {name for peer in peers for d in peer.dtypes + peer.extra_dtypes for name in (d, f"{peer.name}:{d}")}
         unknown = [w for w in wanted or [] if w not in known]
         if unknown:
             raise SystemExit(f"--dtypes: no engine has {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -175,7 +180,10 @@ class Bench:
             if reason is not None:
                 log(f"skip {peer.name}: {reason}")
                 continue
-            dtypes = [d for d in peer.dtypes if wanted is None or d in wanted or f"{peer.name}:{d}" in wanted]
+            if wanted is None:
+                dtypes = list(peer.dtypes)
+            else:
+                dtypes = [d for d in peer.dtypes + peer.extra_dtypes if d in wanted or f"{peer.name}:{d}" in wanted]
             pairs += [(peer, d) for d in dtypes]
         return pairs
 

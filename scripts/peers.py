@@ -198,7 +198,8 @@ class Peer(ABC):
     """One engine. Subclasses fill in availability, preparation, batch and stream runs."""
 
     name: str = "peer"
-    dtypes: tuple[str, ...] = ("float32",)
+    dtypes: tuple[str, ...] = ("float32",)  # what a run without --dtypes measures
+    extra_dtypes: tuple[str, ...] = ()  # also accepted, measured only when named
 
     def __init__(self) -> None:
         self.dtype: str | None = None

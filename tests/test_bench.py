@@ -37,3 +37,16 @@ def test_bench_refuses_a_mode_no_engine_has(tiny_checkpoint, tmp_path):
     )
     assert result.returncode != 0
     assert "no engine has minigpt:float8;" in result.stderr  # bfloat16+compile is a mode: not listed
+
+
+def test_mode_names_map_to_engine_settings(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench
+
+    peer = bench.MinigptPeer()
+    assert peer._engine_args("w8a8+compile+kv-bfloat16") == {
+        "dtype": "float32", "quantize": "w8a8", "compile": True, "kv_cache_dtype": "bfloat16",
+        "num_threads": bench.P.THREADS,
+    }
+    assert peer._engine_args("bfloat16") == {"dtype": "bfloat16", "compile": False, "num_threads": bench.P.THREADS}
+    assert "w8a8+compile+kv-float16" in peer.extra_dtypes and "w8a8+kv-float16" not in peer.extra_dtypes
