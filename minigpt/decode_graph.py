@@ -5,7 +5,9 @@ products at batch 1, and eager decode attention copies each sequence's pages (`i
 before SDPA reads them again. Compiled as one graph, inductor fuses the elementwise work
 (layernorms, activation quantization, GELU, residuals) and its attention loops read K/V straight
 from the pages, so the pool is read once and never copied. `prefill_step` does the same for a
-lone request's whole prompt, the step that decides its time to first token.
+lone request's whole prompt, the step that decides its time to first token. Every other step
+(batched prompts, prompts next to decodes) runs eagerly around the paged attention, which loops over
+its prompt segments in Python, but the two halves of each block around that attention run compiled.
 
 The function is pure: it reads the pool and returns the step's new K/V, which `DecodeGraph`
 writes into the pool after the call. A graph that wrote into its input pool would make inductor
@@ -27,7 +29,7 @@ import torch
 
 from minigpt.attention import token_attention
 from minigpt.kv_cache import KVPool
-from minigpt.model import GPT2
+from minigpt.model import GPT2, attention_inputs, attention_outputs
 
 logger = logging.getLogger("minigpt")
 
@@ -139,12 +141,17 @@ class DecodeGraph:
         # dynamo's guards on the model's modules can only ever pass: they are skipped (0.5 ms a step
         # at batch 1 on 2 cores). Guards on the step's tensors stay: they pick the batch-1 graph.
         step, prefill = _private_copy(decode_step), _private_copy(prefill_step)
-        weakref.finalize(self, _drop_compiled, (step.__code__, prefill.__code__))
+        before, after = _private_copy(attention_inputs), _private_copy(attention_outputs)
+        weakref.finalize(self, _drop_compiled, tuple(fn.__code__ for fn in (step, prefill, before, after)))
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
         self._step = torch.compile(step, options=guards)
         self._scales = attention_scales(model)
         self._prefill = torch.compile(prefill, options=guards)
+        self.around_attention = (attention_inputs, attention_outputs)
+        if not self._options.get("freezing"):
+            options = {**guards, **self._options}
+            self.around_attention = tuple(torch.compile(fn, dynamic=True, options=options) for fn in (before, after))
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -165,6 +172,11 @@ class DecodeGraph:
                     self._run(tokens, tokens + 1, tables, lens)
                 prompt = torch.zeros(2, dtype=torch.int64, device=device)
                 self._run_prefill(prompt, torch.arange(2, device=device))
+                before, after = self.around_attention
+                for tokens in (2, 1):  # torch specializes a dimension of size 1: its own graph
+                    block, x = self.model.h[0], torch.zeros(tokens, self.model.config.n_embd, device=device)
+                    q, _, _ = before(block, x)
+                    after(block, x, q.reshape(tokens, -1))
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(

@@ -279,8 +279,9 @@ class Engine:
             )
         if graph is not None and self._is_lone_whole_prompt(inputs):
             return graph.prefill(inputs.input_ids, inputs.positions, meta.slot_mapping)
+        around = {} if graph is None else {"around_attention": graph.around_attention}
         return self.model.forward_step(
-            inputs.input_ids, inputs.positions, self.pool.kv, meta, self.backend, inputs.logits_indices
+            inputs.input_ids, inputs.positions, self.pool.kv, meta, self.backend, inputs.logits_indices, **around
         )
 
     @staticmethod

@@ -77,16 +77,17 @@ class CausalSelfAttention(nn.Module):
         """(N, C) flat tokens -> q, k, v, each (N, nh, hs)."""
         return self.c_attn(x).view(x.shape[0], 3, self.n_head, self.head_dim).unbind(1)
 
-    def forward_step(
+    def paged_attention(
         self,
-        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         kv: torch.Tensor,
         meta: StepMetadata,
         backend: TorchBackend | TritonBackend,
     ) -> torch.Tensor:
-        """Paged path. x: (N, C) flat tokens; kv: this layer's pages (2, blocks, block_size, nh, hs)."""
-        N, C = x.shape
-        q, k, v = self.qkv(x)
+        """Paged path: store this step's k/v, attend. q/k/v: (N, nh, hs) flat tokens; kv: this layer's
+        pages (2, blocks, block_size, nh, hs) -> (N, C) in q's dtype, before c_proj."""
         k_cache, v_cache = kv[0], kv[1]
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         parts = []
@@ -102,7 +103,7 @@ class CausalSelfAttention(nn.Module):
                 )
             )
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.c_proj(y.to(x.dtype).reshape(N, C))
+        return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -132,13 +133,19 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x).to(self.dtype), mask)
         return self.add_mlp(x)
 
-    def forward_step(self, x, kv, meta, backend) -> torch.Tensor:
-        x = x + self.attn.forward_step(self.ln_1(x).to(self.dtype), kv, meta, backend)
-        return self.add_mlp(x)
-
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The block's second half: the residual stream plus the MLP of its normalized self."""
         return x + self.mlp(self.ln_2(x).to(self.dtype))
+
+
+def attention_inputs(block: Block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block up to its attention: residual stream (N, C) -> q, k, v (N, nh, hs)."""
+    return block.attn.qkv(block.ln_1(x).to(block.dtype))
+
+
+def attention_outputs(block: Block, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A block after its attention: residual stream x and attention output y (N, C) -> the next stream."""
+    return block.add_mlp(x + block.attn.c_proj(y))
 
 
 class GPT2(nn.Module):
@@ -213,13 +220,17 @@ class GPT2(nn.Module):
         meta: StepMetadata,
         backend: TorchBackend | TritonBackend,
         logits_indices: torch.Tensor,
+        around_attention: tuple[Callable, Callable] = (attention_inputs, attention_outputs),
     ) -> torch.Tensor:
         """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
         at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
-        (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place."""
+        (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place. `around_attention`: the
+        two halves of a block around its paged attention (compiled ones with `compile=True`)."""
+        before, after = around_attention
         x = self.embed(input_ids, positions)
         for layer, block in enumerate(self.h):
-            x = block.forward_step(x, kv_pool[layer], meta, backend)
+            q, k, v = before(block, x)
+            x = after(block, x, block.attn.paged_attention(q, k, v, kv_pool[layer], meta, backend))
         return self.head(x[logits_indices])
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.decode_graph import attention_scales, decode_step, prefill_step
+from minigpt.decode_graph import DecodeGraph, attention_scales, decode_step, prefill_step
+from minigpt.model import attention_inputs, attention_outputs
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -73,6 +74,32 @@ def test_pure_prefill_step_equals_the_paged_step(tiny_checkpoint, dtype, length)
         torch.testing.assert_close(logits, want, **tol)
         slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]
         torch.testing.assert_close(new_kv.to(slots.dtype), slots, **tol)
+
+
+@pytest.mark.slow
+def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
+    """Eager steps of a compiled engine (here: several prompts at once) run each block's halves around
+    attention through one compiled graph per half, shared by every layer."""
+    with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
+        engine = llm.engine
+        for prompt in random_prompts(LENGTHS):
+            engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        inputs = engine._prepare(engine.scheduler.schedule().chunks)
+        assert len(inputs.meta.prefills) == len(LENGTHS)
+        compiled = engine.decode_graph.around_attention
+        assert compiled != (attention_inputs, attention_outputs)
+        pool = engine.pool.kv.clone()
+        args = (inputs.input_ids, inputs.positions)
+        with torch.inference_mode():
+            got = engine.model.forward_step(
+                *args, engine.pool.kv, inputs.meta, engine.backend, inputs.logits_indices, around_attention=compiled
+            )
+            want = engine.model.forward_step(*args, pool, inputs.meta, engine.backend, inputs.logits_indices)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.pool.kv, pool, rtol=1e-5, atol=1e-5)
+        # inductor's freezing would make one layer's weights constants of the graph every layer runs
+        frozen = DecodeGraph(engine.model, engine.pool, {"freezing": True})
+        assert frozen.around_attention == (attention_inputs, attention_outputs)
 
 
 @pytest.mark.slow
