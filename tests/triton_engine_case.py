@@ -32,21 +32,23 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(50257) for _ in range(n)] for n in LENGTHS]
 
 
-def greedy(path, dtype: str, backend: str) -> list[list[int]]:
-    with LLM(str(path), dtype=dtype, device=DEVICE, attention_backend=backend, **ENGINE_ARGS) as llm:
+def greedy(path, dtype: str, backend: str, kv_cache_dtype: str | None = None) -> list[list[int]]:
+    with LLM(str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=DEVICE, attention_backend=backend,
+             **ENGINE_ARGS) as llm:
         assert llm.engine.backend.name == backend
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs]
 
 
 @pytest.mark.parametrize(
-    "config,dtype",
-    [({}, "float32"), ({}, "float16"), (dict(n_head=3, n_embd=48), "float16")],  # 3 heads: masked BLOCK_H
-    ids=["default-float32", "default-float16", "odd-heads-float16"],
+    "config,dtype,kv_cache_dtype",
+    [({}, "float32", None), ({}, "float16", None), (dict(n_head=3, n_embd=48), "float16", None),  # 3 heads: masked
+     ({}, "float32", "float16")],  # BLOCK_H; a float32 model over half pages: the kernels convert both ways
+    ids=["default-float32", "default-float16", "odd-heads-float16", "default-float32-kv-float16"],
 )
-def test_triton_backend_gives_the_torch_backend_tokens(checkpoint_factory, config, dtype):
+def test_triton_backend_gives_the_torch_backend_tokens(checkpoint_factory, config, dtype, kv_cache_dtype):
     path = checkpoint_factory(**config)
-    assert greedy(path, dtype, "triton") == greedy(path, dtype, "torch")
+    assert greedy(path, dtype, "triton", kv_cache_dtype) == greedy(path, dtype, "torch", kv_cache_dtype)
 
 
 def test_bfloat16_tokens_agree_until_a_near_tie(tiny_checkpoint):
