@@ -69,8 +69,7 @@ def decode_step(
     x = model.embed(input_ids, positions)
     new_kv = []
     for layer, block in enumerate(model.h):
-        attn = block.attn
-        q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
+        q, k, v = attention_inputs(block, x)
         new_kv.append(torch.stack([k, v]))
         q, k, v = q.float() * scales[layer], k.float(), v.float()
         keys = kv_pool[layer, 0][pages].float()  # (B, W, block_size, H, D)
@@ -82,7 +81,7 @@ def decode_step(
         total = weights.sum((1, 2)) + own_weight
         by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
         y = (by_page.sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
-        x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(batch, -1)))
+        x = attention_outputs(block, x, y.to(block.dtype).reshape(batch, -1))
     return model.head(x), torch.stack(new_kv)
 
 
@@ -100,11 +99,10 @@ def prefill_step(
     x = model.embed(input_ids, positions)
     new_kv = []
     for block in model.h:
-        attn = block.attn
-        q, k, v = attn.qkv(block.ln_1(x).to(block.dtype))
+        q, k, v = attention_inputs(block, x)
         new_kv.append(torch.stack([k, v]))
-        y = token_attention(q, k, v, attn.scale, attn.upcast)
-        x = block.add_mlp(x + attn.c_proj(y.to(block.dtype).reshape(length, -1)))
+        y = token_attention(q, k, v, block.attn.scale, block.attn.upcast)
+        x = attention_outputs(block, x, y.to(block.dtype).reshape(length, -1))
     return model.head(x[-1:]), torch.stack(new_kv)
 
 

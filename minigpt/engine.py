@@ -169,8 +169,8 @@ class Engine:
         self.num_generated_tokens = 0
         self.on_step: Callable[[ScheduledBatch, list[Sequence]], None] | None = None  # stats hook
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
-            num_blocks, config.block_size, self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype)[6:],
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks, config.block_size,
+            self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
         )
         if self.decode_graph is not None:
             self.decode_graph.warmup()
