@@ -174,7 +174,8 @@ class DecodeGraph:
                 for tokens in (2, 1):  # torch specializes a dimension of size 1: its own graph
                     block, x = self.model.h[0], torch.zeros(tokens, self.model.config.n_embd, device=device)
                     q, _, _ = before(block, x)
-                    after(block, x, q.reshape(tokens, -1))
+                    # contiguous, as paged attention's output is: the graph is guarded on the strides
+                    after(block, x, torch.zeros_like(x, dtype=q.dtype))
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from minigpt.quantize import QUANTIZATIONS
-from minigpt.weights import DTYPES
+from minigpt.weights import resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,13 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.kv_cache_dtype is not None and str(self.kv_cache_dtype).lower() not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be None, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype is not None:
+            try:
+                resolve_dtype(self.kv_cache_dtype)  # names, or a torch.dtype as `dtype` takes
+            except ValueError:
+                raise ValueError(
+                    f"kv_cache_dtype must be None, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}"
+                ) from None
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
 

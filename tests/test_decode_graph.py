@@ -77,9 +77,9 @@ def test_pure_prefill_step_equals_the_paged_step(tiny_checkpoint, dtype, length)
 
 
 @pytest.mark.slow
-def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
+def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint, monkeypatch):
     """Eager steps of a compiled engine (here: several prompts at once) run each block's halves around
-    attention through one compiled graph per half, shared by every layer."""
+    attention through one compiled graph per half, shared by every layer, compiled by the warmup."""
     with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
         engine = llm.engine
         for prompt in random_prompts(LENGTHS):
@@ -91,9 +91,11 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
         pool = engine.pool.kv.clone()
         args = (inputs.input_ids, inputs.positions)
         with torch.inference_mode():
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
             got = engine.model.forward_step(
                 *args, engine.pool.kv, inputs.meta, engine.backend, inputs.logits_indices, around_attention=compiled
             )
+            monkeypatch.undo()
             want = engine.model.forward_step(*args, pool, inputs.meta, engine.backend, inputs.logits_indices)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(engine.pool.kv, pool, rtol=1e-5, atol=1e-5)

@@ -173,7 +173,9 @@ def test_half_kv_pool_holds_twice_the_tokens(tiny_checkpoint, dtype):
             assert half.generate(["a half pool"], SamplingParams(max_tokens=3))[0].token_ids
 
 
-def test_unknown_kv_cache_dtype_is_refused(tiny_checkpoint):
+def test_kv_cache_dtype_takes_what_dtype_takes(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), kv_cache_dtype=torch.float16) as llm:
+        assert llm.engine.pool.kv.dtype == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be None, float32, float16 or bfloat16, got 'int8'"):
         LLM(str(tiny_checkpoint), kv_cache_dtype="int8")
 
