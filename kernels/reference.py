@@ -41,6 +41,15 @@ def gather_kv(cache: Tensor, block_tables: Tensor, out: Tensor | None = None) ->
     return pages.view(batch, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
+def _converted(pages: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+    """`gather_kv`'s pages (a transposed view of contiguous pages) in `dtype`, copied into the flat
+    buffer `out` when one is given, in the same layout."""
+    if out is None:
+        return pages.to(dtype)
+    contiguous = pages.transpose(1, 2)
+    return out[: pages.numel()].view(contiguous.shape).copy_(contiguous).transpose(1, 2)
+
+
 def paged_decode_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -49,6 +58,7 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
     workspace: Tensor | None = None,
+    converted: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence attending to the first ``context_lens[b]`` tokens of its pages.
 
@@ -56,7 +66,8 @@ def paged_decode_attention(
     block_tables: [B, max_blocks] int32 (entries past a sequence's length may be any valid block);
     context_lens: [B] int32. Returns [B, H, D] in the query's dtype. A row with context_len 0 returns zeros.
     workspace: a flat buffer of the caches' dtype with room for 2 * B * max_blocks pages, to gather the
-    keys and values into instead of new tensors (see `minigpt.attention.TorchBackend`).
+    keys and values into instead of new tensors (see `minigpt.attention.TorchBackend`); `converted`:
+    the same of the query's dtype, for pages of another dtype converted to it.
 
     Half inputs go to SDPA as they are: its kernels compute scores, softmax and the weighted sum in
     fp32 and round the probabilities to the input dtype before that sum, as transformers'
@@ -66,8 +77,11 @@ def paged_decode_attention(
     to the query's dtype once gathered.
     """
     keys_out, values_out = (None, None) if workspace is None else workspace.chunk(2)  # gather_kv takes what it needs
-    keys = gather_kv(k_cache, block_tables, keys_out).to(query.dtype)  # (B, H, L, D)
-    values = gather_kv(v_cache, block_tables, values_out).to(query.dtype)
+    keys = gather_kv(k_cache, block_tables, keys_out)  # (B, H, L, D)
+    values = gather_kv(v_cache, block_tables, values_out)
+    if keys.dtype != query.dtype:
+        keys_out, values_out = (None, None) if converted is None else converted.chunk(2)
+        keys, values = _converted(keys, query.dtype, keys_out), _converted(values, query.dtype, values_out)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = positions[None, :] < context_lens[:, None]  # (B, L)
     out = F.scaled_dot_product_attention(

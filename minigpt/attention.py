@@ -53,7 +53,8 @@ class TorchBackend:
     """Decode attention through the PyTorch reference: runs anywhere, never imports Triton.
 
     Each layer's pages are gathered into one buffer kept for the engine's life (grown to the largest
-    step so far: two copies of one layer's pages for every decoding sequence). A new tensor each time
+    step so far: two copies of one layer's pages for every decoding sequence), and converted into a
+    second one when the pool's dtype is not the query's (`kv_cache_dtype`). A new tensor each time
     is worse than it looks: above glibc's mmap threshold (32 MB, e.g. gpt2 at batch 100 and 112
     tokens) every allocation is mapped afresh and page-faulted as it is written, 19 vs 3 ms to gather
     34 MB on 2 cores, which doubled the eager step as contexts grew.
@@ -64,6 +65,7 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self.workspace = torch.empty(0)
+        self.converted = torch.empty(0)
 
     def decode(
         self,
@@ -75,16 +77,24 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         needed = 2 * block_tables.numel() * k_cache[0].numel()
-        fits = self.workspace.dtype == k_cache.dtype and self.workspace.device == k_cache.device
-        if not fits or self.workspace.numel() < needed:
-            self.workspace = torch.empty(needed, dtype=k_cache.dtype, device=k_cache.device)
+        self.workspace = _at_least(self.workspace, needed, k_cache)
+        converted = None
+        if query.dtype != k_cache.dtype:
+            self.converted = converted = _at_least(self.converted, needed, query)
         return reference.paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale, self.workspace
+            query, k_cache, v_cache, block_tables, context_lens, scale, self.workspace, converted
         )
 
     def close(self) -> None:
-        """Free the gather buffer (the engine is closing)."""
-        self.workspace = torch.empty(0)
+        """Free the gather buffers (the engine is closing)."""
+        self.workspace = self.converted = torch.empty(0)
+
+
+def _at_least(buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """`buffer` if it has `like`'s dtype and device and room for `numel` elements, else a new one that has."""
+    if buffer.dtype == like.dtype and buffer.device == like.device and buffer.numel() >= numel:
+        return buffer
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
 class TritonBackend:

@@ -79,6 +79,23 @@ def test_torch_backend_reuses_one_gather_buffer(dtype: torch.dtype) -> None:
     assert buffers[2].numel() == 2 * bigger.block_tables.numel() * bigger.k_cache[0].numel()
 
 
+@pytest.mark.parametrize("pages", [torch.float16, torch.bfloat16])
+def test_torch_backend_converts_half_pages_into_a_kept_buffer(pages: torch.dtype) -> None:
+    """A half-precision pool under a float32 query (kv_cache_dtype): the pages are converted into a second
+    kept buffer, with the results of converting fresh copies."""
+    backend = TorchBackend()
+    big = make_pages([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=pages, seed=1)
+    small = make_pages([9, 30], 16, num_heads=3, head_dim=64, dtype=pages, seed=2)
+    buffers = []
+    for p in (big, small):
+        p.query = p.query.float()
+        out = backend.decode(*decode_args(p))
+        assert out.dtype == torch.float32
+        assert torch.equal(out, reference.paged_decode_attention(*decode_args(p)))
+        buffers.append(backend.converted)
+    assert buffers[0].dtype == torch.float32 and buffers[1] is buffers[0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype) -> None:
     block_size, num_heads, head_dim = 8, 3, 16
