@@ -144,10 +144,11 @@ class DecodeGraph:
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
         self._step = torch.compile(step, options=guards)
-        self._scales = attention_scales(model)
         self._prefill = torch.compile(prefill, options=guards)
-        self.around_attention = (attention_inputs, attention_outputs)
-        if not self._options.get("freezing"):
+        self._scales = attention_scales(model)
+        if self._options.get("freezing"):  # one layer's weights would be constants of every layer's graph
+            self.around_attention = (attention_inputs, attention_outputs)
+        else:
             options = {**guards, **self._options}
             self.around_attention = tuple(torch.compile(fn, dynamic=True, options=options) for fn in (before, after))
 
