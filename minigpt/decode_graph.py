@@ -33,6 +33,11 @@ from minigpt.model import GPT2, attention_inputs, attention_outputs
 
 logger = logging.getLogger("minigpt")
 
+# The sizes the steps are first compiled for. Dynamic sizes still compile to one graph each, but
+# inductor decides which loops run on several threads from these: compiled for 2 sequences of 2
+# pages, the softmax over keys ran on one thread, and a step at batch 100 took 4% longer.
+WARMUP_BATCH, WARMUP_PAGES, WARMUP_PROMPT = 32, 8, 16
+
 
 def decode_step(
     model: GPT2,
@@ -164,15 +169,16 @@ class DecodeGraph:
             with warnings.catch_warnings():
                 # inductor's autotuning (quantize="int8") calls a deprecated storage API: not the user's concern
                 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-                for batch in (2, 1):
+                for batch in (WARMUP_BATCH, 1):
                     tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-                    tables = torch.zeros(batch, 2, dtype=torch.int32, device=device)
+                    tables = torch.zeros(batch, WARMUP_PAGES, dtype=torch.int32, device=device)
                     lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
                     self._run(tokens, tokens + 1, tables, lens)
-                prompt = torch.zeros(2, dtype=torch.int64, device=device)
-                self._run_prefill(prompt, torch.arange(2, device=device))
+                length = min(WARMUP_PROMPT, self.model.config.n_positions)
+                prompt = torch.zeros(length, dtype=torch.int64, device=device)
+                self._run_prefill(prompt, torch.arange(length, device=device))
                 before, after = self.around_attention
-                for tokens in (2, 1):  # torch specializes a dimension of size 1: its own graph
+                for tokens in (length, 1):  # torch specializes a dimension of size 1: its own graph
                     block, x = self.model.h[0], torch.zeros(tokens, self.model.config.n_embd, device=device)
                     q, _, _ = before(block, x)
                     # contiguous, as paged attention's output is: the graph is guarded on the strides
