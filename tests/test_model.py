@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minigpt.model import GPT2
+from minigpt.model import ACTIVATIONS, GPT2
 
 from conftest import hf_model, with_residual_outliers
 
@@ -119,3 +119,15 @@ def test_fp16_survives_residual_outliers(tmp_path, tiny_checkpoint):
     assert torch.isfinite(got).all()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+def test_compiled_tanh_gelu_is_the_same_function():
+    """Compiled, `gelu_new` is written with a sigmoid (inductor's tanh is slower): the same function
+    as torch's tanh GELU to fp32 rounding, over the activations' range and far past it."""
+    gelu = ACTIVATIONS["gelu_new"]
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.tensor([-1e4, -60.0, -1e-30, 0.0, 1e-30, 60.0, 1e4])])
+    compiled = torch.compile(gelu, fullgraph=True)(x)
+    reference = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    assert torch.equal(gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))  # eager: torch's kernel
+    assert torch.isfinite(compiled).all()
+    assert (compiled.double() - reference).abs().max().item() < 1e-6
