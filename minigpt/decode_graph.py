@@ -48,7 +48,8 @@ def decode_step(
     context_lens: torch.Tensor,
     scales: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence -> (logits [B, vocab], new K/V [n_layer, 2, B, H, D]); reads, never writes, the pool.
+    """One token per sequence -> (logits [B, vocab], new K/V [n_layer, 2, B, H, D] in the pool's dtype);
+    reads, never writes, the pool.
 
     kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W] pages of each sequence;
     context_lens: [B] tokens including this step's; scales: [n_layer] each layer's attention scale.
@@ -87,7 +88,7 @@ def decode_step(
         by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
         y = (by_page.sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
         x = attention_outputs(block, x, y.to(block.dtype).reshape(batch, -1))
-    return model.head(x), torch.stack(new_kv)
+    return model.head(x), torch.stack(new_kv).to(kv_pool.dtype)  # cast here, fused: not a pass of its own
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
