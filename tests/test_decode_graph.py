@@ -47,7 +47,8 @@ def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache
                     inputs.input_ids, inputs.positions, engine.pool.kv, meta, engine.backend, inputs.logits_indices
                 )
             exact = dtype == "float32" and kv_cache_dtype is None
-            tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=2e-2, atol=2e-2)
+            # half precision: ~2 bf16 ulps at this model's largest logits (|logit| < 4, ulp 2^-6)
+            tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=2e-2, atol=3e-2)
             torch.testing.assert_close(logits, want, **tol)
             slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]  # what the eager step wrote
             assert new_kv.dtype == slots.dtype  # ready to store: the cast is fused into the step
