@@ -17,7 +17,7 @@ import pytest
 import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
 
-from minigpt.attention import TorchBackend
+from minigpt.attention import TorchBackend, token_attention
 from minigpt.kernels import reference
 
 HERE = Path(__file__).parent
@@ -60,6 +60,48 @@ def test_reference_decode_fp16_softmax_runs_in_fp32() -> None:
     p.scale = 1.0
     out = reference.paged_decode_attention(*decode_args(p))
     torch.testing.assert_close(out.double(), naive_decode_attention(p), **TOL[torch.float16])
+
+
+def naive_token_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked softmax attention over flat tokens in float64: [T, H, D]."""
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", weights, v.double())
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize(("length", "cached"), [(1, 0), (9, 0), (40, 0), (7, 16)])
+def test_token_attention_is_causal_attention(flash: bool, length: int, cached: int) -> None:
+    """Both forms (the flash kernel's 4-D inputs, the 3-D math path) compute causal attention over a
+    chunk, with and without a cached prefix before it."""
+    torch.manual_seed(0)
+    context = cached + length
+    q = torch.randn(length, 3, 64)
+    k, v = torch.randn(context, 3, 64), torch.randn(context, 3, 64)
+    mask = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]  # (T, context)
+    if cached:
+        out = token_attention(q, k, v, 0.125, mask=mask, flash=flash)
+    else:
+        out = token_attention(q, k, v, 0.125, flash=flash)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), naive_token_attention(q, k, v, 0.125, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_token_attention_takes_the_cpu_flash_kernel(masked: bool) -> None:
+    """Eager prompts must reach torch's flash kernel (3-D inputs fall back to its 2.5-3.5x slower math
+    path); flash=False, for compiled graphs, keeps the math form inductor fuses."""
+    q = k = v = torch.randn(12, 3, 64)
+    mask = torch.ones(12, 12, dtype=torch.bool).tril() if masked else None
+    for flash, kernel in (
+        (True, "aten::_scaled_dot_product_flash_attention_for_cpu"),
+        (False, "aten::_scaled_dot_product_attention_math"),
+    ):
+        with torch.profiler.profile() as prof:
+            token_attention(q, k, v, 0.125, mask=mask, flash=flash)
+        assert kernel in {event.name for event in prof.events()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
