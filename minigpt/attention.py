@@ -172,19 +172,18 @@ def token_attention(
     scale: float,
     upcast: bool = False,
     mask: torch.Tensor | None = None,
-    flash: bool = True,
 ) -> torch.Tensor:
     """SDPA over flat tokens: q [T, H, D] against k, v [S, H, D] -> [T, H, D]. Plain causal when
     `mask` is None, else the boolean (T, S) mask; `upcast` computes in fp32.
 
-    `flash`: the heads go in as a batch of one, [1, H, T, D], because torch's CPU flash kernel takes
+    Eager, the heads go in as a batch of one, [1, H, T, D], because torch's CPU flash kernel takes
     only 4-D inputs; 3-D ones take its math path, 2.5-3.5x slower eagerly (8-200 tokens, 12 heads,
-    2 cores). Inside a compiled graph the math path is the better one: inductor fuses it, where the
-    flash kernel stays a call of its own (a lone 8-token prompt's first token 0.2 ms later with it)."""
+    2 cores). Compiled, they stay 3-D: inductor fuses the math path, where the flash kernel stays a
+    call of its own (a lone 8-token prompt's first token 0.2 ms later with it)."""
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    if flash:
+    if not torch.compiler.is_compiling():
         q, k, v = q[None], k[None], v[None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.flatten(0, -3).transpose(0, 1)  # [1, H, T, D] or [H, T, D] -> [T, H, D]

@@ -112,7 +112,7 @@ def prefill_step(
     for block in model.h:
         q, k, v = attention_inputs(block, x)
         new_kv.append(torch.stack([k, v]))
-        y = token_attention(q, k, v, block.attn.scale, block.attn.upcast, flash=False)
+        y = token_attention(q, k, v, block.attn.scale, block.attn.upcast)
         x = attention_outputs(block, x, y.to(block.dtype).reshape(length, -1))
     return model.head(x[-1:]), torch.stack(new_kv)
 

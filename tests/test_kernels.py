@@ -71,20 +71,21 @@ def naive_token_attention(
     return torch.einsum("hts,shd->thd", weights, v.double())
 
 
-@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize(("length", "cached"), [(1, 0), (9, 0), (40, 0), (7, 16)])
-def test_token_attention_is_causal_attention(flash: bool, length: int, cached: int) -> None:
-    """Both forms (the flash kernel's 4-D inputs, the 3-D math path) compute causal attention over a
-    chunk, with and without a cached prefix before it."""
+def test_token_attention_is_causal_attention(compiled: bool, length: int, cached: int) -> None:
+    """Both forms (eager: the flash kernel's 4-D inputs; compiled: the 3-D math path) compute causal
+    attention over a chunk, with and without a cached prefix before it."""
     torch.manual_seed(0)
     context = cached + length
     q = torch.randn(length, 3, 64)
     k, v = torch.randn(context, 3, 64), torch.randn(context, 3, 64)
     mask = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]  # (T, context)
+    attention = torch.compile(token_attention, fullgraph=True) if compiled else token_attention
     if cached:
-        out = token_attention(q, k, v, 0.125, mask=mask, flash=flash)
+        out = attention(q, k, v, 0.125, mask=mask)
     else:
-        out = token_attention(q, k, v, 0.125, flash=flash)
+        out = attention(q, k, v, 0.125)
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), naive_token_attention(q, k, v, 0.125, mask), rtol=1e-5, atol=1e-5)
 
@@ -92,16 +93,18 @@ def test_token_attention_is_causal_attention(flash: bool, length: int, cached: i
 @pytest.mark.parametrize("masked", [False, True])
 def test_token_attention_takes_the_cpu_flash_kernel(masked: bool) -> None:
     """Eager prompts must reach torch's flash kernel (3-D inputs fall back to its 2.5-3.5x slower math
-    path); flash=False, for compiled graphs, keeps the math form inductor fuses."""
+    path); compiled, the math form stays, which inductor fuses around its matrix products."""
     q = k = v = torch.randn(12, 3, 64)
     mask = torch.ones(12, 12, dtype=torch.bool).tril() if masked else None
-    for flash, kernel in (
-        (True, "aten::_scaled_dot_product_flash_attention_for_cpu"),
-        (False, "aten::_scaled_dot_product_attention_math"),
-    ):
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    compiled = torch.compile(token_attention, fullgraph=True)
+    compiled(q, k, v, 0.125, mask=mask)
+    for attention, reaches_flash in ((token_attention, True), (compiled, False)):
         with torch.profiler.profile() as prof:
-            token_attention(q, k, v, 0.125, mask=mask, flash=flash)
-        assert kernel in {event.name for event in prof.events()}
+            attention(q, k, v, 0.125, mask=mask)
+        events = {event.name for event in prof.events()}
+        assert (flash in events) == reaches_flash
+        assert reaches_flash or "aten::bmm" in events
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
