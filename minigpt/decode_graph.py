@@ -105,16 +105,20 @@ def prefill_step(
     model: GPT2, input_ids: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole prompt of one sequence with nothing cached -> (logits of its last token [1, vocab],
-    its K/V [n_layer, 2, T, H, D]): plain causal attention among its own tokens; reads no pool."""
+    its K/V [n_layer, 2, T, H, D]): plain causal attention among its own tokens; reads no pool.
+    Past the last layer's K/V only the last token goes on (as in `GPT2.forward_step`)."""
     length = input_ids.shape[0]
     x = model.embed(input_ids, positions)
     new_kv = []
-    for block in model.h:
+    last = len(model.h) - 1
+    for layer, block in enumerate(model.h):
         q, k, v = attention_inputs(block, x)
         new_kv.append(torch.stack([k, v]))
-        y = token_attention(q, k, v, block.attn.scale, block.attn.upcast)
-        x = attention_outputs(block, x, y.to(block.dtype).reshape(length, -1))
-    return model.head(x[-1:]), torch.stack(new_kv)
+        y = token_attention(q, k, v, block.attn.scale, block.attn.upcast).to(block.dtype).reshape(length, -1)
+        if layer == last:
+            x, y = x[-1:], y[-1:]
+        x = attention_outputs(block, x, y)
+    return model.head(x), torch.stack(new_kv)
 
 
 def _private_copy(fn: types.FunctionType) -> types.FunctionType:

@@ -234,13 +234,22 @@ class GPT2(nn.Module):
         """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
         at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
         (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place. `around_attention`: the
-        two halves of a block around its paged attention (compiled ones with `compile=True`)."""
+        two halves of a block around its paged attention (compiled ones with `compile=True`).
+
+        Once the last layer has stored its K/V, only the rows whose logits are wanted go on through
+        its projection and MLP: for a prompt, one row instead of all of them."""
         before, after = around_attention
         x = self.embed(input_ids, positions)
+        last = len(self.h) - 1
         for layer, block in enumerate(self.h):
             q, k, v = before(block, x)
-            x = after(block, x, block.attn.paged_attention(q, k, v, kv_pool[layer], meta, backend))
-        return self.head(x[logits_indices])
+            y = block.attn.paged_attention(q, k, v, kv_pool[layer], meta, backend)
+            if layer == last:
+                x, y = x[logits_indices], y[logits_indices]
+                if not len(x):  # a prompt chunk that samples nothing: no logits to compute
+                    return self.head(x)
+            x = after(block, x, y)
+        return self.head(x)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: the fp32 residual stream every forward starts from."""

@@ -319,3 +319,25 @@ def test_n_completions_share_the_prompt_pages(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), enable_prefix_caching=False) as llm:
         again = llm.generate([prompt], params)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_last_layer_goes_on_with_the_wanted_rows_only(tiny_checkpoint, reference):
+    """Once the last layer has stored its K/V, only rows whose logits are wanted go through its MLP: a
+    prompt's last token, none for a chunk that samples nothing, every scored row of a prompt_logprobs
+    request. Those logits stay the whole forward's (prompt log-probabilities against transformers)."""
+    short, chunked, scored = random_prompts([5, 30, 9], seed=3)
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24, enable_prefix_caching=False) as llm:
+        rows: list[int] = []
+        hook = llm.engine.model.h[-1].mlp.register_forward_hook(lambda mod, args, out: rows.append(len(args[0])))
+        outs = llm.generate([short, chunked, scored], [greedy, greedy, SamplingParams(max_tokens=3, prompt_logprobs=2)])
+        hook.remove()
+    # step 1: all of `short` and 19 tokens of `chunked`; step 2: the rest of `chunked`, all of `scored`
+    # (8 scored rows and its last) and a decode of `short`; then decodes only
+    assert rows == [1, 1 + 9 + 1, 3, 2]
+    for prompt, out in zip([short, chunked, scored], outs, strict=True):
+        assert out.token_ids == hf_greedy(reference, prompt, 3)
+    with torch.no_grad():
+        want = reference(torch.tensor([scored])).logits[0, :-1].log_softmax(-1)
+    got = [entry.logprob for entry in outs[2].prompt_logprobs[1:]]
+    torch.testing.assert_close(torch.tensor(got), want[torch.arange(8), torch.tensor(scored[1:])], rtol=0, atol=1e-5)
