@@ -158,14 +158,16 @@ class DecodeGraph:
         weakref.finalize(self, _drop_compiled, tuple(fn.__code__ for fn in (step, prefill, before, after)))
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
-        self._step = torch.compile(step, options=guards)
-        self._prefill = torch.compile(prefill, options=guards)
+        # A dict of its own for each call: torch.compile pops guard_filter_fn from the one it is given.
+        self._step = torch.compile(step, options=dict(guards))
+        self._prefill = torch.compile(prefill, options=dict(guards))
         self._scales = attention_scales(model)
         if self._options.get("freezing"):  # one layer's weights would be constants of every layer's graph
             self.around_attention = (attention_inputs, attention_outputs)
         else:
-            options = {**guards, **self._options}
-            self.around_attention = tuple(torch.compile(fn, dynamic=True, options=options) for fn in (before, after))
+            self.around_attention = tuple(
+                torch.compile(fn, dynamic=True, options={**guards, **self._options}) for fn in (before, after)
+            )
 
     @torch.inference_mode()
     def warmup(self) -> None:

@@ -128,6 +128,27 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
 
 
 @pytest.mark.slow
+def test_every_compiled_graph_skips_the_guards_on_the_model(tiny_checkpoint, monkeypatch):
+    """torch.compile pops `guard_filter_fn` from the options dict it is given: each compiled function
+    needs a dict of its own, or all but the first check every weight's guards on every call (a lone
+    prompt's step: ~40-80 us a call)."""
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    if skip is None:
+        pytest.skip("guard filters need torch >= 2.7")
+    filtered: list[set[str]] = []
+    monkeypatch.setattr(
+        torch.compiler, "skip_guard_on_all_nn_modules_unsafe",
+        lambda entries: filtered.append({entry.name for entry in entries}) or skip(entries),
+    )
+    with LLM(str(tiny_checkpoint), compile=True):  # warmup compiles every graph
+        pass
+    assert sum("kv_pool" in names for names in filtered) == 2  # decode steps: batch >= 2 and batch 1
+    assert sum("positions" in names and "kv_pool" not in names for names in filtered) == 1  # a lone prompt
+    assert sum("block" in names and "y" not in names for names in filtered) == 2  # before attention: T and 1 tokens
+    assert sum("block" in names and "y" in names for names in filtered) == 2  # after attention
+
+
+@pytest.mark.slow
 def test_compiled_engines_keep_their_own_models(tiny_checkpoint, checkpoint_factory):
     """Each engine compiles private copies of the steps, whose guards on the model are skipped: engines
     alive at once, on models of the same shapes (one with other attention scales, constants inside the
