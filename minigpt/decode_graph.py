@@ -38,6 +38,12 @@ logger = logging.getLogger("minigpt")
 # pages, the softmax over keys ran on one thread, and a step at batch 100 took 4% longer.
 WARMUP_BATCH, WARMUP_PAGES, WARMUP_PROMPT = 32, 8, 16
 
+# The longest prompt `prefill_step` takes. Its attention is SDPA's math form, which inductor fuses but
+# which holds [H, T, T] scores: past ~150 tokens a lone prompt's first token comes sooner from the
+# engine's paged step, whose eager SDPA calls the flash kernel (w8a8 + compile, 2 cores: 128 tokens
+# 38.5 ms here against 40.5 paged, 256 tokens 77.9 against 71.2, 1,000 tokens 654 against 346).
+PREFILL_MAX_TOKENS = 128
+
 # inductor's generated code checks the size and strides of every input on every call: 205 checks,
 # 0.15 ms a call, nearly all on weights. Dynamo's guards check the step's own tensors, and the
 # weights are those of the one model each engine compiles its private copies for (see `DecodeGraph`).
@@ -140,9 +146,9 @@ class DecodeGraph:
 
     Two graphs cover every decode batch: batch 1 (torch specializes size-1 dimensions) and
     batch >= 2, both dynamic in the block-table width (padded to >= 2 pages for the same reason).
-    A third, `prefill_step`, takes a step that is one whole prompt of >= 2 tokens with nothing
-    cached (a lone request's first step: its time to first token). `warmup()` compiles all three
-    up front so no request waits for a compile.
+    A third, `prefill_step`, takes a step that is one whole prompt of 2 to `PREFILL_MAX_TOKENS` tokens
+    with nothing cached (a lone request's first step: its time to first token). `warmup()` compiles
+    all three up front so no request waits for a compile.
     """
 
     def __init__(self, model: GPT2, pool: KVPool, options: dict[str, object] | None = None) -> None:
@@ -219,8 +225,8 @@ class DecodeGraph:
         return logits
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Logits [1, vocab] of the last token of a whole prompt (>= 2 tokens, nothing cached); its K/V
-        land in the pool at `slot_mapping`."""
+        """Logits [1, vocab] of the last token of a whole prompt (2 to `PREFILL_MAX_TOKENS` tokens, nothing
+        cached); its K/V land in the pool at `slot_mapping`."""
         logits, new_kv = self._run_prefill(input_ids, positions)
         self._store(new_kv, slot_mapping)
         return logits

@@ -22,6 +22,7 @@ import torch
 from minigpt.attention import PrefillSegment, StepMetadata, select_backend
 from minigpt.config import eos_token_ids
 from minigpt.cpu_linear import prepare_linears
+from minigpt.decode_graph import PREFILL_MAX_TOKENS, DecodeGraph
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
 from minigpt.progress import Progress
@@ -154,7 +155,6 @@ class Engine:
         self.pool = KVPool(self.model_config, num_blocks, bs, kv_dtype, device)
         self.decode_graph = None
         if config.compile:
-            from minigpt.decode_graph import DecodeGraph
             from minigpt.quantize import compile_options
 
             self.decode_graph = DecodeGraph(self.model, self.pool, compile_options(config.quantize, device))
@@ -286,12 +286,14 @@ class Engine:
 
     @staticmethod
     def _is_lone_whole_prompt(inputs: StepInputs) -> bool:
-        """One sequence's whole prompt (>= 2 tokens) with nothing cached, sampling its last token only."""
+        """One sequence's whole prompt (2 to PREFILL_MAX_TOKENS tokens) with nothing cached, sampling its
+        last token only."""
         meta = inputs.meta
         if len(meta.prefills) != 1 or meta.decode_block_tables is not None or inputs.prompt_logprob_rows:
             return False
         segment = meta.prefills[0]
-        return segment.context_len == segment.length >= 2 and len(inputs.sample_seqs) == 1
+        whole = segment.context_len == segment.length
+        return whole and 2 <= segment.length <= PREFILL_MAX_TOKENS and len(inputs.sample_seqs) == 1
 
     def _prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         bs = self.config.block_size

@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+import minigpt.engine
 from minigpt import LLM, SamplingParams
 from minigpt.decode_graph import DecodeGraph, attention_scales, decode_step, prefill_step
 from minigpt.model import attention_inputs, attention_outputs
@@ -109,7 +110,7 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint, monkeypatch
 
 
 @pytest.mark.slow
-def test_compiled_engine_equals_transformers(tiny_checkpoint):
+def test_compiled_engine_equals_transformers(tiny_checkpoint, monkeypatch):
     reference = hf_model(tiny_checkpoint)
     prompts = random_prompts(LENGTHS)
     want = [hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
@@ -119,10 +120,15 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
         graph, prefills = llm.engine.decode_graph, []
         compiled_prefill = graph.prefill
         graph.prefill = lambda *args: prefills.append(args) or compiled_prefill(*args)
-        fresh = random_prompts([13], seed=99)[0]  # nothing cached: the lone-prompt graph, then batch 1's
-        alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
-        assert alone.token_ids == hf_greedy(reference, fresh, 10)
-        assert len(prefills) == 1
+        # nothing cached: the lone-prompt graph up to PREFILL_MAX_TOKENS (here 20), the paged step past it,
+        # then batch 1's graph; all compiled by the warmup
+        monkeypatch.setattr(minigpt.engine, "PREFILL_MAX_TOKENS", 20)
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        for fresh in random_prompts([13, 20, 21, 60], seed=99):
+            alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+            assert alone.token_ids == hf_greedy(reference, fresh, 10)
+        monkeypatch.undo()
+        assert [len(args[0]) for args in prefills] == [13, 20]
         assert_all_free(llm)
         pool = weakref.ref(llm.engine.pool.kv)
     gc.collect()
