@@ -327,10 +327,11 @@ def test_last_layer_goes_on_with_the_wanted_rows_only(tiny_checkpoint, reference
     request. Those logits stay the whole forward's (prompt log-probabilities against transformers)."""
     short, chunked, scored = random_prompts([5, 30, 9], seed=3)
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+    scoring = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24, enable_prefix_caching=False) as llm:
         rows: list[int] = []
         hook = llm.engine.model.h[-1].mlp.register_forward_hook(lambda mod, args, out: rows.append(len(args[0])))
-        outs = llm.generate([short, chunked, scored], [greedy, greedy, SamplingParams(max_tokens=3, prompt_logprobs=2)])
+        outs = llm.generate([short, chunked, scored], [greedy, greedy, scoring])
         hook.remove()
     # step 1: all of `short` and 19 tokens of `chunked`; step 2: the rest of `chunked`, all of `scored`
     # (8 scored rows and its last) and a decode of `short`; then decodes only
