@@ -170,12 +170,10 @@ class DecodeGraph:
         self._step = torch.compile(step, options=dict(guards))
         self._prefill = torch.compile(prefill, options=dict(guards))
         self._scales = attention_scales(model)
-        if self._options.get("freezing"):  # one layer's weights would be constants of every layer's graph
-            self.around_attention = (attention_inputs, attention_outputs)
-        else:
-            self.around_attention = tuple(
-                torch.compile(fn, dynamic=True, options={**guards, **self._options}) for fn in (before, after)
-            )
+        # Never frozen: one layer's weights would be constants of the graph every layer runs.
+        self.around_attention = tuple(
+            torch.compile(fn, dynamic=True, options={**guards, **CODEGEN_OPTIONS}) for fn in (before, after)
+        )
 
     @torch.inference_mode()
     def warmup(self) -> None:

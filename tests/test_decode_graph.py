@@ -104,9 +104,10 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint, monkeypatch
             want = engine.model.forward_step(*args, pool, inputs.meta, engine.backend, inputs.logits_indices)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(engine.pool.kv, pool, rtol=1e-5, atol=1e-5)
-        # inductor's freezing would make one layer's weights constants of the graph every layer runs
+        # compiled unfrozen also where the steps freeze: frozen, one layer's weights would be constants
+        # of the graph every layer runs
         frozen = DecodeGraph(engine.model, engine.pool, {"freezing": True})
-        assert frozen.around_attention == (attention_inputs, attention_outputs)
+        assert frozen.around_attention != (attention_inputs, attention_outputs)
 
 
 @pytest.mark.slow

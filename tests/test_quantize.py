@@ -10,9 +10,10 @@ import torch
 
 from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
-from minigpt.quantize import Int8Linear, W8A8Linear, quantize
+from minigpt.quantize import Int8Linear, W8A8Linear, compile_options, quantize, vnni_gemm
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
+needs_vnni_gemm = pytest.mark.skipif(not vnni_gemm(torch.device("cpu")), reason="CPU without AVX-512 VNNI")
 
 PROMPTS = ["Hello there", "Another prompt, longer than the first one", "x"]
 
@@ -112,13 +113,43 @@ def test_unknown_quantization():
         quantize(torch.nn.Sequential(torch.nn.Linear(2, 2)), "int4")
 
 
+def _pattern_matches() -> int:
+    """Products inductor's freezing pass has turned into its int8 GEMM so far, in this process."""
+    return torch._dynamo.utils.counters["inductor"]["qlinear_weight_prepack_matcher_count"]
+
+
+@pytest.mark.slow
+@needs_vnni_gemm
+@pytest.mark.parametrize("out_features", [96, 200])  # 200: not a multiple of the kernel's 64 columns
+def test_w8a8_vnni_gemm_equals_int_mm(out_features):
+    """Frozen and compiled, W8A8Linear's product goes through inductor's int8 GEMM, and gives what eager
+    (torch._int_mm) gives, bit for bit: the same integer products, scaled in the same order."""
+    torch.manual_seed(0)
+    q = W8A8Linear(torch.nn.Linear(64, out_features))
+    x = torch.randn(5, 64)
+    x[3] *= 100
+    compiled = torch.compile(q)
+    matched = _pattern_matches()
+    with torch.no_grad(), torch._inductor.config.patch(compile_options("w8a8", torch.device("cpu"))):
+        got = compiled(x)
+    assert _pattern_matches() == matched + 1
+    with torch.no_grad():
+        assert torch.equal(got, q(x))
+
+
 @pytest.mark.slow
 def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
-    """The compiled graphs run the same int8 x int8 products as eager: the same tokens, batched and alone."""
+    """The compiled graphs run the same int8 x int8 products as eager: the same tokens, batched and alone.
+    On a CPU with VNNI, every product of the three frozen graphs (decode at batch 1 and >= 2, a lone
+    prompt) goes through inductor's int8 GEMM; the block halves around a batched step's attention
+    compile unfrozen, with torch._int_mm."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        linears = sum(isinstance(m, W8A8Linear) for m in llm.engine.model.modules())
+    matched = _pattern_matches()
     with LLM(str(tiny_checkpoint), quantize="w8a8", compile=True) as llm:
+        assert _pattern_matches() - matched == (3 * linears if vnni_gemm(torch.device("cpu")) else 0)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
 
