@@ -180,7 +180,8 @@ class DecodeGraph:
         start = time.perf_counter()
         logger.info(
             "compiling the steps for batch 1, batch >= 2 and lone prompts "
-            "(two to four minutes the first time, the most with quantize='int8'; torch caches them on disk)"
+            "(two to four minutes the first time, the most with quantize='int8'; torch caches them on disk, "
+            "except w8a8's frozen graphs on CPUs with AVX-512 VNNI, compiled at every start)"
         )
         device = self.pool.kv.device
         try:

@@ -47,7 +47,8 @@ class EngineConfig:
     """Run decode steps (and a lone request's prompt) through torch.compile'd graphs
     (minigpt/decode_graph.py): much faster decoding, at the cost of compiling when the engine starts
     (two to four minutes on 2 cores the first time, the most with quantize="int8"; torch's on-disk
-    cache makes later starts take seconds)."""
+    cache makes later starts take seconds, except with quantize="w8a8" on a CPU with AVX-512 VNNI,
+    whose frozen graphs torch cannot cache: ~2-2.5 min at every start, see quantize.compile_options)."""
     max_waiting: int = 4096
     """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
 
@@ -104,7 +105,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     engine.add_argument("--compile", action="store_true",
-                        help="torch.compile the decode steps (faster decoding; 2-4 min to start the first time)")
+                        help="torch.compile the decode steps (faster decoding; 2-4 min to start the first time, "
+                        "and every time with --quantize w8a8 on AVX-512 VNNI CPUs)")
     engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                         help="queued requests beyond which new ones are refused at once")
 
