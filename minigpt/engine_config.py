@@ -48,7 +48,7 @@ class EngineConfig:
     (minigpt/decode_graph.py): much faster decoding, at the cost of compiling when the engine starts
     (two to four minutes on 2 cores the first time, the most with quantize="int8"; torch's on-disk
     cache makes later starts take seconds, except with quantize="w8a8" on a CPU with AVX-512 VNNI,
-    whose frozen graphs torch cannot cache: ~2-2.5 min at every start, see quantize.compile_options)."""
+    whose frozen graphs torch cannot cache: ~2-3 min at every start, see quantize.compile_options)."""
     max_waiting: int = 4096
     """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
 

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,24 +29,34 @@ except ImportError:  # a torch without them: w8a8 keeps torch._int_mm when compi
 QUANTIZATIONS = ("int8", "w8a8")
 
 
-def vnni_gemm(device: torch.device) -> bool:
-    """Frozen compiled graphs of w8a8 run inductor's int8 GEMM on `device`: a CPU with AVX-512 VNNI
-    (inductor's u8 x s8 kernel needs it) and a torch with the quantization ops it matches.
-
-    inductor turns the pattern of PyTorch's own int8 quantization (`_dequantized_product`) into a
-    C++ GEMM over the weight packed once, at compile time, into the layout its VNNI kernel reads;
-    `torch._int_mm` hands oneDNN the plain weight on every call. The 48 block linears of GPT-2,
-    chained, compiled (2 cores, AVX-512 VNNI): 3.7 -> 2.5 ms at 1 row, 6.5 -> 3.7 at 2, 7.3 -> 5.3 at
-    8, 9.5 -> 8.1 at 16, 12.8 -> 11.5 at 32, 27 -> 27 at 100. The cost is in `compile_options`.
-    """
+def _vnni_cpu(device: torch.device) -> bool:
+    """`device` is a CPU with AVX-512 VNNI whose w8a8 products are `torch._int_mm`'s (not fbgemm's),
+    and torch has the quantization ops of `_dequantized_product`. Cheap: no inductor import."""
     vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)
     return (
         device.type == "cpu"
         and vnni()
         and not fbgemm_int8.available(device)
-        and hasattr(torch.ops, "quantized_decomposed")
         and hasattr(torch.ops.quantized_decomposed, "dequantize_per_channel")
     )
+
+
+@functools.cache
+def _inductor_has_vnni_gemm() -> bool:
+    """inductor's C++ GEMM has its AVX-512 VNNI u8 x s8 kernel (recent torch). Without it, the
+    pattern becomes oneDNN's `qlinear_pointwise`, slower than `torch._int_mm` at batch 1 here."""
+    import torch._inductor.compile_fx  # noqa: F401  (imports the codegen modules in a working order)
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    return hasattr(cpp_micro_gemm, "CppMicroGemmAVX512VNNI")
+
+
+def vnni_gemm(device: torch.device) -> bool:
+    """Frozen compiled graphs of w8a8 run inductor's int8 GEMM on `device` (see "Where the time goes"
+    in the README): inductor turns the pattern of PyTorch's own int8 quantization
+    (`_dequantized_product`) into a C++ GEMM over the weight packed once, at compile time, for its
+    VNNI kernel; `torch._int_mm` hands oneDNN the plain weight on every call. Imports inductor."""
+    return _vnni_cpu(device) and _inductor_has_vnni_gemm()
 
 
 class Int8Linear(nn.Module):
@@ -88,13 +100,14 @@ class W8A8Linear(Int8Linear):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         self.fbgemm = fbgemm_int8.available(self.weight.device)
-        self.vnni_gemm = vnni_gemm(self.weight.device)
+        self.vnni = _vnni_cpu(self.weight.device)
         self.levels = fbgemm_int8.ACTIVATION_LEVELS if self.fbgemm else 127
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
-        if self.vnni_gemm:  # constants of the frozen graphs, as inductor's int8 GEMM requires
-            self.register_buffer("unit_scales", torch.ones(self.out_features, device=self.weight.device))
-            self.register_buffer("zero_points", torch.zeros_like(self.unit_scales, dtype=torch.int32))
+        if self.vnni:  # constants of the frozen graphs, as inductor's int8 GEMM requires
+            unit_scales = torch.ones(self.out_features, dtype=torch.float32, device=self.weight.device)
+            self.register_buffer("unit_scales", unit_scales, persistent=False)
+            self.register_buffer("zero_points", torch.zeros_like(unit_scales, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -102,7 +115,7 @@ class W8A8Linear(Int8Linear):
         quantized = torch.round(flat / row_scales)
         if self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
-        elif self.vnni_gemm and torch.compiler.is_compiling() and torch._inductor.config.freezing:
+        elif self.vnni and torch.compiler.is_compiling() and _frozen_compile():
             products = _dequantized_product(quantized, self.weight, self.unit_scales, self.zero_points)
         else:
             # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
@@ -112,6 +125,11 @@ class W8A8Linear(Int8Linear):
         if self.bias is not None:
             out.add_(self.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def _frozen_compile() -> bool:
+    """The graph being traced is one inductor freezes (it does so only without autograd)."""
+    return torch._inductor.config.freezing and not torch.is_grad_enabled()
 
 
 def _dequantized_product(
@@ -139,11 +157,11 @@ def compile_options(mode: str | None, device: torch.device) -> dict[str, object]
     - Weight-only int8 (inductor's int8 x bf16 kernel against `_weight_int8pack_mm`): 11.4 -> 7.1 ms
       per token at batch 1 (2 cores, AVX-512), for a first compile of ~3.5 min instead of ~1 (torch
       caches it on disk). ~0.85 GB more per compiled gpt2 int8 engine.
-    - w8a8 on a CPU with VNNI (`vnni_gemm`), gpt2 on 2 cores, the same tokens: first token 10.4 ->
-      7.8 ms, a token at batch 1 6.9 -> 4.8 ms, 100 queries 1,489 -> 1,566 tok/s. The frozen graphs
-      hold oneDNN-packed weights, which torch's graph cache cannot store: every start compiles them
-      again (~2.5 min, against ~20 s from the cache), and they hold ~600 MB more for gpt2 (about 5x
-      its int8 weight bytes).
+    - w8a8 where inductor has its VNNI kernel (`vnni_gemm`): measured on an AVX-512 VNNI Xeon without
+      bf16 or AMX, gpt2 on 2 cores, the same tokens: first token 10.4 -> 7.8 ms, a token at batch 1
+      6.9 -> 4.8 ms, 100 queries 1,489 -> 1,566 tok/s. The frozen graphs hold oneDNN-packed weights,
+      which torch's graph cache cannot store: every start compiles them again (125-165 s against ~17 s
+      from the cache), and they hold ~600 MB more for gpt2 (about 5x its int8 weight bytes).
     Unquantized models gain nothing from freezing, w8a8 without VNNI was not measured faster, and GPUs
     were not measured, so those compile plainly.
     """

@@ -14,7 +14,9 @@ from minigpt.model import GPT2
 from minigpt.quantize import Int8Linear, W8A8Linear, compile_options, quantize, vnni_gemm
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
-needs_vnni_gemm = pytest.mark.skipif(not vnni_gemm(torch.device("cpu")), reason="CPU without AVX-512 VNNI")
+needs_vnni_gemm = pytest.mark.skipif(
+    not vnni_gemm(torch.device("cpu")), reason="CPU without AVX-512 VNNI, or torch without inductor's VNNI GEMM"
+)
 
 PROMPTS = ["Hello there", "Another prompt, longer than the first one", "x"]
 
@@ -115,7 +117,9 @@ def test_unknown_quantization():
 
 
 def _pattern_matches() -> int:
-    """Products inductor's freezing pass has turned into its int8 GEMM so far, in this process."""
+    """Products inductor's freezing pass has matched as int8 quantization patterns so far, in this
+    process: each then runs an int8 kernel (inductor's GEMM or oneDNN's qlinear), none dequantizes its
+    weight."""
     return torch._dynamo.utils.counters["inductor"]["qlinear_weight_prepack_matcher_count"]
 
 
@@ -124,7 +128,8 @@ def _pattern_matches() -> int:
 @pytest.mark.parametrize("out_features", [96, 200])  # 200: not a multiple of the kernel's 64 columns
 def test_w8a8_vnni_gemm_equals_int_mm(out_features):
     """Frozen and compiled, W8A8Linear's product goes through inductor's int8 GEMM, and gives what eager
-    (torch._int_mm) gives, bit for bit: the same integer products, scaled in the same order. Offered
+    (torch._int_mm) gives, bit for bit: the same integer products (exact while the sums of the shifted
+    activations' products stay under 2^24, as here), scaled in the same order. Offered
     only its own GEMM, inductor falls back to oneDNN's qlinear when its kernel cannot take the pattern
     (weight scales or zero points that are not constants: slower than torch._int_mm at batch 1)."""
     torch.manual_seed(0)
@@ -145,9 +150,9 @@ def test_w8a8_vnni_gemm_equals_int_mm(out_features):
 @pytest.mark.slow
 def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     """The compiled graphs run the same int8 x int8 products as eager: the same tokens, batched and alone.
-    On a CPU with VNNI, every product of the three frozen graphs (decode at batch 1 and >= 2, a lone
-    prompt) goes through inductor's int8 GEMM; the block halves around a batched step's attention
-    compile unfrozen, with torch._int_mm."""
+    Where inductor has its VNNI GEMM, every product of the three frozen graphs (decode at batch 1 and
+    >= 2, a lone prompt) matches the quantization pattern, and the frozen weights go with the engine;
+    the block halves around a batched step's attention compile unfrozen, with torch._int_mm."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
@@ -157,6 +162,10 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
         assert _pattern_matches() - matched == (3 * linears if vnni_gemm(torch.device("cpu")) else 0)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
+        weight = weakref.ref(llm.engine.model.h[0].mlp.c_fc.weight)
+    del llm
+    gc.collect()
+    assert weight() is None
 
 
 @pytest.mark.slow
