@@ -45,9 +45,11 @@ def _vnni_cpu(device: torch.device) -> bool:
 def _inductor_has_vnni_gemm() -> bool:
     """inductor's C++ GEMM has its AVX-512 VNNI u8 x s8 kernel (recent torch). Without it, the
     pattern becomes oneDNN's `qlinear_pointwise`, slower than `torch._int_mm` at batch 1 here."""
-    import torch._inductor.compile_fx  # noqa: F401  (imports the codegen modules in a working order)
-    from torch._inductor.codegen import cpp_micro_gemm
-
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (imports the codegen modules in a working order)
+        from torch._inductor.codegen import cpp_micro_gemm
+    except ImportError:  # a torch whose inductor is laid out otherwise: keep torch._int_mm
+        return False
     return hasattr(cpp_micro_gemm, "CppMicroGemmAVX512VNNI")
 
 
