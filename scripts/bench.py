@@ -101,7 +101,10 @@ class MinigptPeer(P.Peer):
                               m.time_per_output_token, seconds, out.token_ids)
 
     def run_serving(self, requests: Sequence[W.ServingRequest], rate: float = float("nan")) -> P.ServingResult:
-        """Requests submitted at their arrival times to one AsyncLLM: continuous batching."""
+        """Requests submitted at their arrival times to a fresh AsyncLLM (every prompt new to its prefix
+        cache): continuous batching. The peer's LLM is closed first, to free its memory, and stays closed:
+        serving is the bench's last workload, and rebuilding a compiled engine takes minutes (`prepare`
+        again to run batches)."""
         result = P.ServingResult(self.name, self.dtype, "continuous batching", rate)
         self.close()
         with AsyncLLM(str(self.checkpoint_dir), max_num_seqs=256, **self._engine_args(self.dtype)) as llm:
@@ -136,7 +139,6 @@ class MinigptPeer(P.Peer):
                 threads.append(thread)
             for thread in threads:
                 thread.join()
-        self.prepare(self.checkpoint_dir, self.dtype)
         return result
 
     def close(self) -> None:
