@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import types
 import warnings
@@ -135,10 +136,32 @@ def _private_copy(fn: types.FunctionType) -> types.FunctionType:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _drop_compiled(codes: tuple[types.CodeType, ...]) -> None:
-    """Free dynamo's graphs for these code objects (its log of guard failures keeps the codes alive)."""
+def _inductor_code_cache() -> type:
+    """inductor's cache of the Python modules of its compiled graphs, kept for the life of the process.
+    A frozen graph's module holds the graph's constants (packed copies of the weights) as attributes."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return PyCodeCache
+
+
+def _drop_compiled(codes: tuple[types.CodeType, ...], modules: list[types.ModuleType]) -> None:
+    """Free dynamo's graphs for these code objects (its log of guard failures keeps the codes alive),
+    and inductor's modules loaded for them that hold constants: each engine's frozen graphs load their
+    own, which inductor would keep until the process ends (~600 MB of copies of the weights for each
+    compiled w8a8 gpt2 engine closed). Modules without constants are inductor's to share."""
     for code in codes:
         torch._C._dynamo.eval_frame.reset_code(code)
+    cache = _inductor_code_cache()
+    shared = {id(module) for module in getattr(cache, "modules_no_attr", {}).values()}
+    loaded = getattr(cache, "modules", [])
+    for module in modules:
+        if id(module) in shared:
+            continue
+        with contextlib.suppress(ValueError):
+            loaded.remove(module)
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+    modules.clear()
 
 
 class DecodeGraph:
@@ -167,7 +190,10 @@ class DecodeGraph:
         # at batch 1 on 2 cores). Guards on the step's tensors stay: they pick the batch-1 graph.
         step, prefill = _private_copy(decode_step), _private_copy(prefill_step)
         before, after = _private_copy(attention_inputs), _private_copy(attention_outputs)
-        weakref.finalize(self, _drop_compiled, tuple(fn.__code__ for fn in (step, prefill, before, after)))
+        self._modules: list[types.ModuleType] = []  # inductor's modules loaded by the step graphs' compiles
+        self._loaded = getattr(_inductor_code_cache(), "modules", [])  # inductor's list of them all, kept in place
+        codes = tuple(fn.__code__ for fn in (step, prefill, before, after))
+        weakref.finalize(self, _drop_compiled, codes, self._modules)
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
         # A dict of its own for each call: torch.compile pops guard_filter_fn from the one it is given.
@@ -260,11 +286,13 @@ class DecodeGraph:
     @contextlib.contextmanager
     def _freezing_set(self) -> Iterator[None]:
         """inductor's global `freezing` set to this graph's for the call, then restored. By hand: the
-        config's `patch()` took 49 us a call with the w8a8 options, this 4 us (~1% of a token at batch 1)."""
+        config's `patch()` took 49 us a call with the w8a8 options, this 4 us (~1% of a token at batch 1).
+        Modules inductor loads meanwhile (a call that compiled) are noted as this engine's, to drop with it."""
         config = torch._inductor.config
-        before = config.freezing
+        before, count = config.freezing, len(self._loaded)
         config.freezing = self._freezing
         try:
             yield
         finally:
             config.freezing = before
+            self._modules.extend(self._loaded[count:])  # a call that compiled: its modules are this engine's

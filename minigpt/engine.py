@@ -364,8 +364,10 @@ class Engine:
         )
 
     def close(self) -> None:
+        """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""
         self.pool.kv = torch.empty(0)
         self.backend.close()
+        self.decode_graph = None
         if self.config.num_threads is not None and torch.get_num_threads() == self.config.num_threads:
             torch.set_num_threads(self._threads_before)  # unless someone has set it since
 
@@ -507,7 +509,7 @@ class LLM:
         }
 
     def close(self) -> None:
-        """Free the KV pool. The LLM cannot be used afterwards."""
+        """Free the KV pool and the compiled steps. The LLM cannot be used afterwards."""
         with self._lock:
             if not self._closed:
                 self._closed = True

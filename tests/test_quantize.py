@@ -116,6 +116,18 @@ def test_unknown_quantization():
         quantize(torch.nn.Sequential(torch.nn.Linear(2, 2)), "int4")
 
 
+def _inductor_modules() -> list:
+    """The Python modules of every graph inductor has loaded in this process, oldest first."""
+    return list(torch._inductor.codecache.PyCodeCache.modules)
+
+
+def _graph_constants(before: list) -> list[weakref.ref]:
+    """Weak references to the tensors held as attributes by the modules inductor loaded since `before`
+    was taken: a frozen graph's constants (its packed copies of the weights)."""
+    new = [m for m in _inductor_modules() if not any(m is old for old in before)]
+    return [weakref.ref(v) for m in new for v in vars(m).values() if isinstance(v, torch.Tensor)]
+
+
 def _pattern_matches() -> int:
     """Products inductor's freezing pass has matched as int8 quantization patterns so far, in this
     process: each then runs an int8 kernel (inductor's GEMM or oneDNN's qlinear), none dequantizes its
@@ -151,21 +163,31 @@ def test_w8a8_vnni_gemm_equals_int_mm(out_features):
 def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     """The compiled graphs run the same int8 x int8 products as eager: the same tokens, batched and alone.
     Where inductor has its VNNI GEMM, every product of the three frozen graphs (decode at batch 1 and
-    >= 2, a lone prompt) matches the quantization pattern, and the frozen weights go with the engine;
+    >= 2, a lone prompt) matches the quantization pattern, and the frozen weights go at close();
     the block halves around a batched step's attention compile unfrozen, with torch._int_mm."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
         linears = sum(isinstance(m, W8A8Linear) for m in llm.engine.model.modules())
-    matched = _pattern_matches()
+    matched, modules = _pattern_matches(), _inductor_modules()
     with LLM(str(tiny_checkpoint), quantize="w8a8", compile=True) as llm:
-        assert _pattern_matches() - matched == (3 * linears if vnni_gemm(torch.device("cpu")) else 0)
+        frozen = vnni_gemm(torch.device("cpu"))
+        assert _pattern_matches() - matched == (3 * linears if frozen else 0)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
         weight = weakref.ref(llm.engine.model.h[0].mlp.c_fc.weight)
+        constants = _graph_constants(modules)
+        model = llm.engine.model
+        own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
+    del model
+    gc.collect()
+    assert bool(constants) == frozen
+    # close() frees the frozen graphs' own constants (inductor keeps none); the rest are the model's tensors
+    assert all(constant() is None or id(constant()) in own for constant in constants)
     del llm
     gc.collect()
     assert weight() is None
+    assert all(constant() is None for constant in constants)
 
 
 @pytest.mark.slow
@@ -174,9 +196,11 @@ def test_compiled_int8_engine_is_greedy_within_tolerance(tiny_checkpoint):
     rounds differently from torch's: tokens can part from eager's where two logits nearly tie.
     Stated tolerance: teacher-forced through the eager int8 model, every token the compiled engine
     picks (batched and alone) has a logit within 1% of the logit range of the eager maximum. The frozen
-    graphs hold the weights, so they must go with the engine."""
+    graphs hold the weights, so they must go with the engine, and inductor must not keep them after it."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    modules = _inductor_modules()
     with LLM(str(tiny_checkpoint), quantize="int8", compile=True) as llm:
+        constants = _graph_constants(modules)
         outs = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
         model = llm.engine.model
         for out in outs:
@@ -190,3 +214,4 @@ def test_compiled_int8_engine_is_greedy_within_tolerance(tiny_checkpoint):
     del llm, model
     gc.collect()
     assert weight() is None  # the frozen graphs held the int8 weights as constants: gone with the engine
+    assert constants and all(constant() is None for constant in constants)  # inductor's modules let them go
