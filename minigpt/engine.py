@@ -61,8 +61,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt. `token_ids`, `text` and `finish_reason` are the
-    first completion's (the only one unless SamplingParams.n > 1)."""
+    """What `LLM.generate` returns per prompt. `token_ids`, `text`, `finish_reason` and `logprobs` are
+    the first completion's (the only one unless SamplingParams.n > 1; all n are in `outputs`)."""
 
     request_id: int
     prompt: str | None
@@ -83,6 +83,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
 
 
 @dataclass

@@ -342,3 +342,18 @@ def test_last_layer_goes_on_with_the_wanted_rows_only(tiny_checkpoint, reference
         want = reference(torch.tensor([scored])).logits[0, :-1].log_softmax(-1)
     got = [entry.logprob for entry in outs[2].prompt_logprobs[1:]]
     torch.testing.assert_close(torch.tensor(got), want[torch.arange(8), torch.tensor(scored[1:])], rtol=0, atol=1e-5)
+
+
+def test_logprobs_of_generated_tokens_equal_transformers(tiny_checkpoint, reference):
+    """`out.logprobs` (the first completion's, as `outputs[0].logprobs`): one entry per generated token,
+    the log-probability transformers gives it and its k most likely alternatives, the greedy pick first."""
+    prompt = random_prompts([11], seed=5)[0]
+    with LLM(str(tiny_checkpoint)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))[0]
+    assert out.logprobs is out.outputs[0].logprobs and len(out.logprobs) == len(out.token_ids) == 6
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    got = torch.tensor([entry.logprob for entry in out.logprobs])
+    torch.testing.assert_close(got, want[torch.arange(6), torch.tensor(out.token_ids)], rtol=0, atol=1e-5)
+    for entry, token, row in zip(out.logprobs, out.token_ids, want, strict=True):
+        assert list(entry.top) == row.topk(3).indices.tolist() and next(iter(entry.top)) == token
