@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from torch._inductor.codecache import PyCodeCache
 from torch._inductor.utils import run_and_get_code
 
 from minigpt import LLM, SamplingParams, fbgemm_int8
@@ -118,7 +119,7 @@ def test_unknown_quantization():
 
 def _inductor_modules() -> list:
     """The Python modules of every graph inductor has loaded in this process, oldest first."""
-    return list(torch._inductor.codecache.PyCodeCache.modules)
+    return list(PyCodeCache.modules)
 
 
 def _graph_constants(before: list) -> list[weakref.ref]:
