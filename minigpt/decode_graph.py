@@ -7,7 +7,8 @@ before SDPA reads them again. Compiled as one graph, inductor fuses the elementw
 from the pages, so the pool is read once and never copied. `prefill_step` does the same for a
 lone request's whole prompt, the step that decides its time to first token. Every other step
 (batched prompts, prompts next to decodes) runs eagerly around the paged attention, which loops over
-its prompt segments in Python, but the two halves of each block around that attention run compiled.
+its prompt segments in Python, but the two halves of each block around that attention run compiled,
+and so does the attention of the decodes among the prompts (`paged_decode`).
 
 The function is pure: it reads the pool and returns the step's new K/V, which `DecodeGraph`
 writes into the pool after the call. A graph that wrote into its input pool would make inductor
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from minigpt.attention import token_attention
+from minigpt.attention import store_kv, token_attention
 from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2, attention_inputs, attention_outputs
 
@@ -81,27 +82,71 @@ def decode_step(
     slower than with a float32 pool, instead of 10% faster).
     """
     batch = input_ids.shape[0]
-    width, block_size = block_tables.shape[1], kv_pool.shape[3]
     pages = block_tables.long()
-    positions_in_pages = torch.arange(width * block_size, device=input_ids.device).view(1, width, block_size)
-    cached = positions_in_pages < (context_lens[:, None, None] - 1)  # (B, W, block_size)
+    cached = _in_context(block_tables, context_lens - 1, kv_pool.shape[3])  # the new token is not in the pages
     x = model.embed(input_ids, positions)
     new_kv = []
     for layer, block in enumerate(model.h):
         q, k, v = attention_inputs(block, x)
         new_kv.append(torch.stack([k, v]))
         q, k, v = q.float() * scales[layer], k.float(), v.float()
-        keys = kv_pool[layer, 0][pages].float()  # (B, W, block_size, H, D)
-        values = kv_pool[layer, 1][pages].float()
-        scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
-        own = (q * k).sum(-1)  # (B, H): the query against its own key
-        top = torch.maximum(scores.amax((1, 2)), own)
-        weights, own_weight = torch.exp(scores - top[:, None, None]), torch.exp(own - top)
-        total = weights.sum((1, 2)) + own_weight
-        by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
-        y = (by_page.sum(1) + own_weight[..., None] * v) / total[..., None]  # (B, H, D)
+        y = _attend(q, kv_pool[layer, 0][pages].float(), kv_pool[layer, 1][pages].float(), cached, k, v)
         x = attention_outputs(block, x, y.to(block.dtype).reshape(batch, -1))
     return model.head(x), torch.stack(new_kv).to(kv_pool.dtype)  # cast here, fused: not a pass of its own
+
+
+def _in_context(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which slots of each sequence's pages (B, W, block_size) hold one of its first `lengths` tokens."""
+    width = block_tables.shape[1]
+    slots = torch.arange(width * block_size, device=block_tables.device).view(1, width, block_size)
+    return slots < lengths[:, None, None]
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cached: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One fp32 query per sequence (B, H, D), already scaled, over the keys and values of its pages
+    (B, W, block_size, H, D) where `cached` (B, W, block_size) holds, and over its own key and value
+    k, v (B, H, D) when they are not in the pages: one softmax over both -> (B, H, D)."""
+    scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
+    top = scores.amax((1, 2))
+    if k is not None:
+        own = (q * k).sum(-1)  # (B, H): the query against its own key
+        top = torch.maximum(top, own)
+    weights = torch.exp(scores - top[:, None, None])
+    total = weights.sum((1, 2))
+    by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
+    if k is None:
+        return by_page.sum(1) / total[..., None]
+    own_weight = torch.exp(own - top)
+    return (by_page.sum(1) + own_weight[..., None] * v) / (total + own_weight)[..., None]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    first_pages: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of the engine's eager paged step (a step that also holds prompts), in the form
+    inductor fuses with the page reads: one query per sequence (B, H, D) over the first `context_lens`
+    tokens of its pages, this step's own K/V already stored among them -> (B, H, D) in the query's dtype.
+
+    pages: the whole pool as pages, (n_layer * 2 * blocks, block_size, H, D); first_pages: [2] int64,
+    where this layer's key and value pages start in it; scale: the layer's attention scale. Both are
+    tensors so that every layer runs the same graph."""
+    tables = block_tables.long()
+    keys = pages[tables + first_pages[0]].float()
+    values = pages[tables + first_pages[1]].float()
+    cached = _in_context(block_tables, context_lens, pages.shape[1])
+    return _attend(query.float() * scale, keys, values, cached).to(query.dtype)
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
@@ -164,6 +209,52 @@ def _drop_compiled(codes: tuple[types.CodeType, ...], modules: list[types.Module
     modules.clear()
 
 
+class CompiledDecodeBackend:
+    """The torch backend's decode attention as a compiled graph (`paged_decode`), for the eager paged
+    steps of a compiled engine: those that mix prompts with decodes. The torch reference copies every
+    decoding sequence's pages and runs SDPA over the copy: with a float16 pool under a float32 model,
+    97 sequences of ~25 / ~60 / ~100 tokens took 2.7 / 5.1 / 9.7 ms a layer (2 cores), where the
+    decode graph reads the pages in place. Prompts keep SDPA (`prefill_attention`)."""
+
+    name = "torch"
+    store_kv = staticmethod(store_kv)
+
+    def __init__(self, pool: KVPool, attend: object) -> None:
+        self.pool, self._attend = pool, attend
+        self._first_pages: dict[tuple[int, int], torch.Tensor] = {}
+        self._scales: dict[float, torch.Tensor] = {}
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """The torch backend's `decode` (see `reference.paged_decode_attention`), k_cache and v_cache being
+        one layer's pages of the engine's pool."""
+        kv = self.pool.kv
+        pages = kv.view(-1, *kv.shape[3:])
+        page = k_cache[0].numel()
+        key = (k_cache.storage_offset() // page, v_cache.storage_offset() // page)
+        if key not in self._first_pages:
+            self._first_pages[key] = torch.tensor(key, device=kv.device)
+        if scale not in self._scales:
+            self._scales[scale] = torch.tensor(scale, device=kv.device)
+        if block_tables.shape[1] < 2:  # as in `DecodeGraph._run`: a width of 1 would be a graph of its own
+            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
+        if query.shape[0] > 1:
+            for tensor in (query, block_tables, context_lens):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(block_tables, 1)
+        return self._attend(query, pages, block_tables, context_lens, self._first_pages[key], self._scales[scale])
+
+    def close(self) -> None:
+        """Nothing to free: the pool is the engine's."""
+
+
 class DecodeGraph:
     """`decode_step` and `prefill_step` compiled for a model and pool, plus the write of their new K/V
     into the pool.
@@ -190,9 +281,10 @@ class DecodeGraph:
         # at batch 1 on 2 cores). Guards on the step's tensors stay: they pick the batch-1 graph.
         step, prefill = _private_copy(decode_step), _private_copy(prefill_step)
         before, after = _private_copy(attention_inputs), _private_copy(attention_outputs)
+        attend = _private_copy(paged_decode)
         self._modules: list[types.ModuleType] = []  # inductor's modules loaded by the step graphs' compiles
         self._loaded = getattr(_inductor_code_cache(), "modules", [])  # inductor's list of them all, kept in place
-        codes = tuple(fn.__code__ for fn in (step, prefill, before, after))
+        codes = tuple(fn.__code__ for fn in (step, prefill, before, after, attend))
         weakref.finalize(self, _drop_compiled, codes, self._modules)
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.7
         guards = {"guard_filter_fn": skip} if skip is not None else {}
@@ -204,6 +296,7 @@ class DecodeGraph:
         self.around_attention = tuple(
             torch.compile(fn, dynamic=True, options={**guards, **CODEGEN_OPTIONS}) for fn in (before, after)
         )
+        self.decode_backend = CompiledDecodeBackend(pool, torch.compile(attend, options=dict(CODEGEN_OPTIONS)))
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -227,11 +320,15 @@ class DecodeGraph:
                 prompt = torch.zeros(length, dtype=torch.int64, device=device)
                 self._run_prefill(prompt, torch.arange(length, device=device))
                 before, after = self.around_attention
+                block, kv = self.model.h[0], self.pool.kv[0]
                 for tokens in (length, 1):  # torch specializes a dimension of size 1: its own graph
-                    block, x = self.model.h[0], torch.zeros(tokens, self.model.config.n_embd, device=device)
+                    x = torch.zeros(tokens, self.model.config.n_embd, device=device)
                     q, _, _ = before(block, x)
                     # contiguous, as paged attention's output is: the graph is guarded on the strides
                     after(block, x, torch.zeros_like(x, dtype=q.dtype))
+                    tables = torch.zeros(tokens, WARMUP_PAGES, dtype=torch.int32, device=device)
+                    lens = torch.full((tokens,), 2, dtype=torch.int32, device=device)
+                    self.decode_backend.decode(q, kv[0], kv[1], tables, lens, block.attn.scale)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(

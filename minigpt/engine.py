@@ -283,9 +283,13 @@ class Engine:
             )
         if graph is not None and self._is_lone_whole_prompt(inputs):
             return graph.prefill(inputs.input_ids, inputs.positions, meta.slot_mapping)
-        around = {} if graph is None else {"around_attention": graph.around_attention}
+        backend, around = self.backend, {}
+        if graph is not None:
+            around = {"around_attention": graph.around_attention}
+            if backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
+                backend = graph.decode_backend
         return self.model.forward_step(
-            inputs.input_ids, inputs.positions, self.pool.kv, meta, self.backend, inputs.logits_indices, **around
+            inputs.input_ids, inputs.positions, self.pool.kv, meta, backend, inputs.logits_indices, **around
         )
 
     @staticmethod

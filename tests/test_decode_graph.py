@@ -139,6 +139,26 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint, monkeypatch):
     assert pool() is None  # close() freed the pool: the compiled step holds no reference to it
 
 
+def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_checkpoint, monkeypatch):
+    """Steps that mix prompt chunks with decodes run eagerly around attention; with compile=True their
+    decodes attend through the compiled `paged_decode` (every layer, batch 1 and more, without a
+    recompile: each layer's pages are other offsets into the one pool), token-exact with transformers."""
+    reference = hf_model(tiny_checkpoint)
+    # a budget of 24 tokens a step: prompts are chunked and prefilled next to the decodes of earlier ones;
+    # with [5, 64], one sequence decodes next to the other's chunks
+    batches = [(random_prompts(LENGTHS, seed=7), MAX_TOKENS), (random_prompts([5, 64], seed=8), [12, 4])]
+    with LLM(str(tiny_checkpoint), compile=True, block_size=8, max_num_batched_tokens=24) as llm:
+        backend, rows = llm.engine.decode_graph.decode_backend, []
+        attend = backend._attend
+        monkeypatch.setattr(backend, "_attend", lambda query, *args: rows.append(len(query)) or attend(query, *args))
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        for prompts, max_tokens in batches:
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+            want = [hf_greedy(reference, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+            assert [o.token_ids for o in outs] == want
+        assert len(rows) % llm.engine.model.config.n_layer == 0 and 1 in rows and max(rows) > 1
+
+
 @pytest.mark.slow
 def test_every_compiled_graph_skips_the_guards_on_the_model(tiny_checkpoint, monkeypatch):
     """torch.compile pops `guard_filter_fn` from the options dict it is given: each compiled function
