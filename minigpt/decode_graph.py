@@ -26,7 +26,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -219,7 +219,8 @@ class CompiledDecodeBackend:
     name = "torch"
     store_kv = staticmethod(store_kv)
 
-    def __init__(self, pool: KVPool, attend: object) -> None:
+    def __init__(self, pool: KVPool, attend: Callable[..., torch.Tensor]) -> None:
+        """`attend`: `paged_decode`, compiled."""
         self.pool, self._attend = pool, attend
         self._first_pages: dict[tuple[int, int], torch.Tensor] = {}
         self._scales: dict[float, torch.Tensor] = {}
