@@ -209,6 +209,19 @@ def _drop_compiled(codes: tuple[types.CodeType, ...], modules: list[types.Module
     modules.clear()
 
 
+def _dynamic_decode_sizes(block_tables: torch.Tensor, *per_sequence: torch.Tensor) -> torch.Tensor:
+    """A decode graph's inputs readied so that one graph serves every batch >= 2 and every width: the block
+    tables padded to at least 2 pages, their width marked dynamic, and the batch too (on them and on
+    `per_sequence`) unless it is 1. torch specializes a size of 1, so those would each be graphs of their own."""
+    if block_tables.shape[1] < 2:
+        block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
+    if block_tables.shape[0] > 1:
+        for tensor in (block_tables, *per_sequence):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    torch._dynamo.mark_dynamic(block_tables, 1)
+    return block_tables
+
+
 class CompiledDecodeBackend:
     """The torch backend's decode attention as a compiled graph (`paged_decode`), for the eager paged
     steps of a compiled engine: those that mix prompts with decodes. The torch reference copies every
@@ -244,12 +257,7 @@ class CompiledDecodeBackend:
             self._first_pages[key] = torch.tensor(key, device=kv.device)
         if scale not in self._scales:
             self._scales[scale] = torch.tensor(scale, device=kv.device)
-        if block_tables.shape[1] < 2:  # as in `DecodeGraph._run`: a width of 1 would be a graph of its own
-            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
-        if query.shape[0] > 1:
-            for tensor in (query, block_tables, context_lens):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(block_tables, 1)
+        block_tables = _dynamic_decode_sizes(block_tables, query, context_lens)
         return self._attend(query, pages, block_tables, context_lens, self._first_pages[key], self._scales[scale])
 
     def close(self) -> None:
@@ -370,12 +378,7 @@ class DecodeGraph:
             return self._prefill(self.model, input_ids, positions, self.pool.kv.dtype)
 
     def _run(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
-        if block_tables.shape[1] < 2:
-            block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
-        if input_ids.shape[0] > 1:
-            for tensor in (input_ids, positions, block_tables, context_lens):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(block_tables, 1)
+        block_tables = _dynamic_decode_sizes(block_tables, input_ids, positions, context_lens)
         with self._freezing_set():
             return self._step(
                 self.model, input_ids, positions, self.pool.kv, block_tables, context_lens, self._scales
