@@ -33,6 +33,7 @@ import torch
 from minigpt.attention import store_kv, token_attention
 from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2, attention_inputs, attention_outputs
+from minigpt.progress import announce
 
 logger = logging.getLogger("minigpt")
 
@@ -310,7 +311,8 @@ class DecodeGraph:
     @torch.inference_mode()
     def warmup(self) -> None:
         start = time.perf_counter()
-        logger.info(
+        announce(
+            logger,
             "compiling the steps for batch 1, batch >= 2 and lone prompts "
             "(two to four minutes the first time, the most with quantize='int8'; torch caches them on disk, "
             "except w8a8's frozen graphs on CPUs with AVX-512 VNNI, compiled at every start)"
@@ -344,7 +346,7 @@ class DecodeGraph:
                 "compile=True could not compile the decode steps; run without it, or install what "
                 f"torch.compile needs (a C++ compiler on the CPU): {detail}"
             ) from err
-        logger.info("compiled in %.0f s", time.perf_counter() - start)
+        announce(logger, "compiled in %.0f s", time.perf_counter() - start)
 
     def __call__(
         self,

@@ -1,9 +1,21 @@
-"""A one-line progress report on stderr for long batches: requests done and tokens per second."""
+"""What a user sees on stderr during long work: a one-line progress report for long batches
+(requests done and tokens per second), and a line for each long wait such as a compile."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+
+
+def announce(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log `message % args` at INFO; when logging would not show it and stderr is a terminal, write
+    it there instead, so that a wait of minutes (compile=True at start) never passes in silence."""
+    if logger.isEnabledFor(logging.INFO) or not sys.stderr.isatty():
+        logger.info(message, *args)
+    else:
+        sys.stderr.write(f"[minigpt] {message % args}\n")
+        sys.stderr.flush()
 
 
 class Progress:
