@@ -17,6 +17,7 @@ import sys
 
 from minigpt.engine import LLM, RequestOutput
 from minigpt.engine_config import add_engine_arguments, engine_args_from
+from minigpt.progress import log_to_stderr
 from minigpt.sampling import SamplingParams
 
 
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="[minigpt] %(message)s", stream=sys.stderr)
+        log_to_stderr(logging.INFO)
     try:
         run(args)
     except KeyboardInterrupt:

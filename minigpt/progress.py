@@ -7,6 +7,13 @@ import logging
 import sys
 import time
 
+PREFIX = "[minigpt] "  # every line minigpt writes to stderr: progress, waits and the CLIs' logs
+
+
+def log_to_stderr(level: int | str) -> None:
+    """The CLIs' logging: the engine's INFO lines (loading, compiling) on stderr, prefixed."""
+    logging.basicConfig(level=level, format=PREFIX + "%(message)s", stream=sys.stderr)
+
 
 def announce(logger: logging.Logger, message: str, *args: object) -> None:
     """Log `message % args` at INFO; when logging would not show it and stderr is a terminal, write
@@ -14,7 +21,7 @@ def announce(logger: logging.Logger, message: str, *args: object) -> None:
     if logger.isEnabledFor(logging.INFO) or not sys.stderr.isatty():
         logger.info(message, *args)
     else:
-        sys.stderr.write(f"[minigpt] {message % args}\n")
+        sys.stderr.write(f"{PREFIX}{message % args}\n")
         sys.stderr.flush()
 
 
@@ -33,7 +40,7 @@ class Progress:
         if not self.enabled:
             return
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        sys.stderr.write(f"\r[minigpt] {done}/{self.total} requests, {tokens / elapsed:,.0f} tok/s ")
+        sys.stderr.write(f"\r{PREFIX}{done}/{self.total} requests, {tokens / elapsed:,.0f} tok/s ")
         sys.stderr.flush()
         self._drawn = True
 

@@ -9,10 +9,10 @@ Loads the model, then serves POST /v1/completions, GET /v1/models, /health and /
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from minigpt.engine_config import add_engine_arguments, engine_args_from
+from minigpt.progress import log_to_stderr
 
 MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from minigpt.async_engine import AsyncLLM
 
-    logging.basicConfig(level=args.log_level.upper(), format="[minigpt] %(message)s", stream=sys.stderr)
+    log_to_stderr(args.log_level.upper())
     try:
         llm = AsyncLLM(args.model, **engine_args_from(args))
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
