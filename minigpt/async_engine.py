@@ -27,7 +27,7 @@ import torch
 from minigpt.engine import Engine, Prompt, Request, RequestOutput
 from minigpt.engine_config import EngineConfig
 from minigpt.metrics import EngineMetrics, MetricsCollector
-from minigpt.sampling import SamplingParams
+from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer import Tokenizer
 
 logger = logging.getLogger("minigpt")
@@ -43,13 +43,15 @@ class StreamDelta:
 
     `text` never ends in half a character nor in the start of a stop string that may still match;
     a completion's deltas join to its final text. The last delta of a completion has
-    `finished=True` and its finish_reason: stop | length | abort | error."""
+    `finished=True` and its finish_reason: stop | length | abort | error. With
+    SamplingParams.logprobs set, `logprobs` holds one TokenLogprobs per token of `token_ids`."""
 
     index: int
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class RequestHandle:
@@ -161,10 +163,12 @@ class RequestHandle:
             if self._sent_final[i]:
                 continue
             text = seq.take_text_delta()
-            tokens = seq.output_token_ids[self._sent_tokens[i] :]
+            sent = self._sent_tokens[i]
+            tokens = seq.output_token_ids[sent:]
+            logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
             self._sent_tokens[i] += len(tokens)
             if text or tokens or seq.finished:
-                deltas.append(StreamDelta(i, text, list(tokens), seq.finished, seq.finish_reason))
+                deltas.append(StreamDelta(i, text, tokens, seq.finished, seq.finish_reason, logprobs))
                 self._sent_final[i] = seq.finished
         return deltas, self._request.output() if self._request.finished else None
 

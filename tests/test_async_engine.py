@@ -25,7 +25,8 @@ def _cases(count: int = 32, seed: int = 0) -> list[tuple[str | list[int], Sampli
     cases = []
     for i in range(count):
         prompt = TEXTS[i % len(TEXTS)] if i % 2 else [rng.randrange(50257) for _ in range(rng.randint(1, 60))]
-        cases.append((prompt, SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=i % 5 != 0)))
+        logprobs = 2 if i % 3 == 0 else None
+        cases.append((prompt, SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=i % 5 != 0, logprobs=logprobs)))
     return cases
 
 
@@ -82,11 +83,16 @@ class Gate:
 
 
 def _check_stream(deltas: list[StreamDelta], out: RequestOutput) -> None:
-    """Each completion's deltas join to its text and tokens; only its last one is final."""
+    """Each completion's deltas join to its text, tokens and logprobs; only its last one is final."""
     for index, completion in enumerate(out.outputs):
         mine = [d for d in deltas if d.index == index]
         assert "".join(d.text for d in mine) == completion.text
         assert [t for d in mine for t in d.token_ids] == completion.token_ids
+        if completion.logprobs is None:
+            assert all(d.logprobs is None for d in mine)
+        else:
+            assert [lp for d in mine for lp in d.logprobs] == completion.logprobs
+            assert all(len(d.logprobs) == len(d.token_ids) for d in mine)
         assert [d.finished for d in mine] == [False] * (len(mine) - 1) + [True]
         assert mine[-1].finish_reason == completion.finish_reason
     assert {d.index for d in deltas} == set(range(len(out.outputs)))
@@ -167,7 +173,7 @@ def test_stream_holds_back_stop_strings_and_partial_characters(tiny_checkpoint, 
         cases = [
             SamplingParams(max_tokens=40, ignore_eos=True),
             SamplingParams(max_tokens=40, ignore_eos=True, stop=stop),
-            SamplingParams(max_tokens=40, ignore_eos=True, n=2, seed=3, temperature=0.9),
+            SamplingParams(max_tokens=40, ignore_eos=True, n=2, seed=3, temperature=0.9, logprobs=1),
         ]
         want = [sync.generate(prompt, params)[0] for params in cases[:2]]
     assert want[1].finish_reason == "stop" and stop not in want[1].text

@@ -231,6 +231,31 @@ def test_logprobs_with_echo(served, reference):
     assert all(choice.text[offset:].startswith(token) for offset, token in zip(lp.text_offset, lp.tokens, strict=True))
 
 
+def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
+    """Greedy, so both requests make the same tokens: the chunks' logprobs, offsets running on across
+    them, join to the logprobs of the whole response, choice by choice (a stop string cuts one short).
+    Values within 1e-4: the two requests' prompts may be batched differently, which rounds differently."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0, logprobs=2)
+    free = served.client().completions.create(**kwargs).choices[0].text
+    kwargs["stop"] = [free[len(free) // 2 :][:3]]
+    whole = served.client().completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop"
+    joined = {c.index: {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+              for c in whole.choices}
+    for chunk in served.client().completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            joined[c.index]["text"] += c.text
+            for key, values in (c.logprobs.model_dump() if c.logprobs else {}).items():
+                joined[c.index][key] += values
+    for c in whole.choices:
+        got, want = joined[c.index], c.logprobs
+        assert (got["text"], got["tokens"], got["text_offset"]) == (c.text, want.tokens, want.text_offset)
+        assert got["token_logprobs"] == pytest.approx(want.token_logprobs, abs=1e-4)
+        for top, expected in zip(got["top_logprobs"], want.top_logprobs, strict=True):
+            assert top == pytest.approx(expected, abs=1e-4)
+    assert len(whole.choices[0].logprobs.tokens) > 1
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
@@ -253,7 +278,7 @@ def test_logprobs_with_echo(served, reference):
     ({"prompt": ["ok", [1, 2]]}, 400, "prompt", "token ids"),
     ({"prompt": [1] * 1000, "max_tokens": 100}, 400, "prompt", "context"),
     ({"prompt": ["ok", " hello" * 1100], "max_tokens": 16}, 400, "prompt", "prompt 1"),
-    ({"prompt": "hi", "stream": True, "logprobs": 1}, 400, "logprobs", "stream"),
+    ({"prompt": "hi", "stream": True, "logprobs": 1, "echo": True}, 400, "logprobs", "stream"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of"),
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix", "suffix"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),

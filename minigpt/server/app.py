@@ -80,7 +80,7 @@ class CompletionServer:
         handles = self._submit(prompts, params)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handles, prompts, params.n, bool(body.echo), include_usage)
+            events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outputs = await _unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
@@ -125,14 +125,17 @@ class CompletionServer:
         return {"id": protocol.completion_id(), "object": "text_completion", "created": protocol.now(),
                 "model": self.model_name}
 
-    async def _stream(self, handles: list[RequestHandle], prompts: list[protocol.Prompt], n: int, echo: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per text delta of any choice, then usage if asked, then [DONE]."""
+    async def _stream(self, handles: list[RequestHandle], prompts: list[protocol.Prompt], params: SamplingParams,
+                      echo: bool, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per delta of any choice (its text, and with logprobs those of its
+        tokens, even while their text is held back), then usage if asked, then [DONE]."""
         header = self._header()  # every chunk of a completion shares its id and created time
+        n, tokenizer = params.n, self.llm.tokenizer
+        writers: dict[int, protocol.LogprobsWriter] = {}  # by choice index, when logprobs are asked for
         try:
             if echo:
                 for i, prompt in enumerate(prompts):
-                    text = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(prompt)
+                    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
                     for j in range(n):
                         yield _event({**header, "choices": [protocol.choice(i * n + j, text, None)]})
             async for i, delta in _merged(handles):
@@ -140,8 +143,13 @@ class CompletionServer:
                     error = APIError(500, f"generation failed: {handles[i].error or 'engine error'}", "server_error")
                     yield _event(error.body())
                     continue
-                if delta.text or delta.finished:
-                    choice = protocol.choice(i * n + delta.index, delta.text, delta.finish_reason)
+                index = i * n + delta.index
+                logprobs = None
+                if delta.logprobs is not None and delta.token_ids:
+                    writer = writers.setdefault(index, protocol.LogprobsWriter(tokenizer))
+                    logprobs = writer.write(delta.token_ids, delta.logprobs)
+                if delta.text or delta.finished or logprobs is not None:
+                    choice = protocol.choice(index, delta.text, delta.finish_reason, logprobs)
                     yield _event({**header, "choices": [choice]})
             if include_usage:
                 outputs: list[RequestOutput] = [await h.wait() for h in handles]

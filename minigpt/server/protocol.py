@@ -75,8 +75,8 @@ class CompletionRequest(BaseModel):
             raise invalid("best_of is not supported unless it equals n", "best_of")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
-        if self.stream and self.logprobs is not None:
-            raise invalid("logprobs are not supported with stream=true", "logprobs")
+        if self.stream and self.logprobs is not None and self.echo:
+            raise invalid("logprobs with echo are not supported with stream=true", "logprobs")
         top_k = self.top_k if self.top_k != -1 else 0  # vLLM spells "no top-k" as -1
         given = {
             "max_tokens": 16 if self.max_tokens is None else self.max_tokens,
@@ -138,7 +138,7 @@ def completion_choices(out: RequestOutput, first_index: int, echo: bool, tokeniz
             ids, lps = list(c.token_ids), list(c.logprobs)
             if echo:
                 ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + lps
-            logprobs = openai_logprobs(tokenizer, ids, lps)
+            logprobs = LogprobsWriter(tokenizer).write(ids, lps)
         choices.append(choice(first_index + c.index, prompt_text + c.text, c.finish_reason, logprobs))
     return choices
 
@@ -147,26 +147,33 @@ def prompt_as_text(out: RequestOutput, tokenizer: Tokenizer) -> str:
     return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
 
 
-def openai_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs | None],
-                    text_offset: int = 0) -> dict:
-    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the chosen token always
-    among them) and text_offset, the character where each token starts in the returned text."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    decoder = IncrementalDecoder(tokenizer)
-    for token_id, lp in zip(token_ids, logprobs, strict=True):
-        token = token_string(tokenizer, token_id)
-        tokens.append(token)
-        offsets.append(text_offset)
-        text_offset += len(decoder.feed(token_id))
-        if lp is None:  # a prompt's first token has nothing before it to predict it
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            continue
-        token_logprobs.append(lp.logprob)
-        top = {token_string(tokenizer, i): v for i, v in lp.top.items()}
-        top.setdefault(token, lp.logprob)
-        top_logprobs.append(top)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+class LogprobsWriter:
+    """OpenAI's legacy logprobs object for one choice: tokens, token_logprobs, top_logprobs (the chosen
+    token always among them) and text_offset, the character where each token starts in the choice's
+    text. A stream writes one object per chunk, and the offsets run on across its chunks."""
+
+    def __init__(self, tokenizer: Tokenizer, text_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.text_offset = text_offset
+        self._decoder = IncrementalDecoder(tokenizer)
+
+    def write(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            token = token_string(self.tokenizer, token_id)
+            tokens.append(token)
+            offsets.append(self.text_offset)
+            self.text_offset += len(self._decoder.feed(token_id))
+            if lp is None:  # a prompt's first token has nothing before it to predict it
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(lp.logprob)
+            top = {token_string(self.tokenizer, i): v for i, v in lp.top.items()}
+            top.setdefault(token, lp.logprob)
+            top_logprobs.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
 
 
 def token_string(tokenizer: Tokenizer, token_id: int) -> str:
