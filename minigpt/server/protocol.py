@@ -152,9 +152,9 @@ class LogprobsWriter:
     token always among them) and text_offset, the character where each token starts in the choice's
     text. A stream writes one object per chunk, and the offsets run on across its chunks."""
 
-    def __init__(self, tokenizer: Tokenizer, text_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.text_offset = text_offset
+        self.text_offset = 0
         self._decoder = IncrementalDecoder(tokenizer)
 
     def write(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
