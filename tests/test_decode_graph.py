@@ -11,8 +11,9 @@ import torch
 
 import minigpt.engine
 from minigpt import LLM, SamplingParams
-from minigpt.decode_graph import DecodeGraph, attention_scales, decode_step, prefill_step
+from minigpt.decode_graph import DecodeGraph, attention_scales, decode_step, prefill_step, weights_fingerprint
 from minigpt.model import attention_inputs, attention_outputs
+from minigpt.quantize import quantize
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -207,3 +208,19 @@ def test_compiled_engines_keep_their_own_models(tiny_checkpoint, checkpoint_fact
     finally:
         for llm in engines:
             llm.close()
+
+
+def test_weights_fingerprint_follows_every_byte_of_the_weights(tiny_checkpoint):
+    """The tag on the disk cache's key for frozen graphs: the same for the same weights (a second start
+    hits the cache), different when any parameter or buffer differs anywhere (a fine-tune misses it)."""
+    with LLM(str(tiny_checkpoint)) as a, LLM(str(tiny_checkpoint)) as b:
+        first, second = a.engine.model, b.engine.model
+        assert weights_fingerprint(first) == weights_fingerprint(second)
+        with torch.no_grad():
+            second.h[1].mlp.c_proj.weight[-1, -1] += 1e-3
+        assert weights_fingerprint(first) != weights_fingerprint(second)
+        quantize(first, "int8")
+        tag = weights_fingerprint(first)
+        with torch.no_grad():
+            first.h[0].attn.c_attn.scales[3] *= 2  # a buffer of the quantized model
+        assert weights_fingerprint(first) != tag

@@ -14,6 +14,8 @@ from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
 from minigpt.quantize import Int8Linear, W8A8Linear, compile_options, quantize, vnni_gemm
 
+from conftest import write_hf_checkpoint
+
 needs_fbgemm = pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
 needs_vnni_gemm = pytest.mark.skipif(
     not vnni_gemm(torch.device("cpu")), reason="CPU without AVX-512 VNNI, or torch without inductor's VNNI GEMM"
@@ -191,6 +193,31 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     assert all(constant() is None for constant in constants)
 
 
+def _assert_eager_would_pick_about_the_same(model: GPT2, outs: list) -> None:
+    """Teacher-forced through the eager model, every token of `outs` has a logit within 1% of the logit
+    range of the eager maximum."""
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+        with torch.inference_mode():
+            logits = model(ids)[0, len(out.prompt_token_ids) - 1 : -1]
+        chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        gap = (logits.amax(1) - chosen) / (logits.amax(1) - logits.amin(1))
+        assert gap.max() <= 0.01
+
+
+@pytest.mark.slow
+def test_compiled_int8_engines_of_one_shape_each_run_their_own_weights(tmp_path):
+    """torch caches frozen graphs on disk under a key that holds the weights' shapes, not their values,
+    though the graph holds packed copies of them (pytorch#143563): two checkpoints of one shape compiled
+    one after the other (gpt2, then a fine-tune of it) must each run on their own weights."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for seed in (11, 12):
+        path = write_hf_checkpoint(tmp_path / f"seed{seed}", seed=seed)
+        with LLM(str(path), quantize="int8", compile=True) as llm:
+            outs = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
+            _assert_eager_would_pick_about_the_same(llm.engine.model, outs)
+
+
 @pytest.mark.slow
 def test_compiled_int8_engine_is_greedy_within_tolerance(tiny_checkpoint):
     """compile=True with int8 freezes the weights and may run inductor's own int8 x bf16 kernel, which
@@ -204,13 +231,7 @@ def test_compiled_int8_engine_is_greedy_within_tolerance(tiny_checkpoint):
         constants = _graph_constants(modules)
         outs = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
         model = llm.engine.model
-        for out in outs:
-            ids = torch.tensor([out.prompt_token_ids + out.token_ids])
-            with torch.inference_mode():
-                logits = model(ids)[0, len(out.prompt_token_ids) - 1 : -1]
-            chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-            gap = (logits.amax(1) - chosen) / (logits.amax(1) - logits.amin(1))
-            assert gap.max() <= 0.01
+        _assert_eager_would_pick_about_the_same(model, outs)
         weight = weakref.ref(model.h[0].mlp.c_fc.weight)
     del llm, model
     gc.collect()
