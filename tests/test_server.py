@@ -295,6 +295,16 @@ def test_invalid_requests_get_openai_errors(served, body, status, param, says):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_not_sent_as_json_is_told_so(served, content_type):
+    """curl -d sends form encoding unless told otherwise: the error names the Content-Type to use."""
+    response = httpx.post(f"{served.url}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                          headers={"Content-Type": content_type})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and content_type in message
+
+
 def test_openai_client_sees_errors(served):
     client = served.client()
     with pytest.raises(openai.BadRequestError) as bad:

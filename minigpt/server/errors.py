@@ -43,12 +43,15 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-def validation_error(err: RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field: malformed JSON, wrong types, unknown fields."""
+def validation_error(err: RequestValidationError, content_type: str | None = None) -> APIError:
+    """The first pydantic error as a 400 naming the field: malformed JSON, wrong types, unknown fields.
+    `content_type`: the request's; a body sent as something else (curl -d's form encoding) is not read as JSON."""
     first = err.errors()[0]
     kind, loc = first["type"], [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
     if kind == "json_invalid":
         return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc and content_type is not None and "json" not in content_type.lower():
+        return invalid(f"the request body must be JSON, sent with Content-Type: application/json (not {content_type})")
     if not loc:
         return invalid("the request body must be a JSON object")
     param = loc[0]
@@ -71,8 +74,8 @@ def install_handlers(app: FastAPI) -> None:
         return err.response()
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, err: RequestValidationError) -> JSONResponse:
-        return validation_error(err).response()
+    async def bad_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error(err, request.headers.get("content-type")).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
