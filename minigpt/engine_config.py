@@ -89,6 +89,16 @@ def _check_positive(name: str, value: object, alternative: str = "") -> None:
         raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
 
 
+# What an engine refuses to start or run with, for the command lines to report in one line and exit 2:
+# bad arguments, a missing or broken checkpoint, a KV pool larger than memory, a compile that failed.
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+
+
+def error_line(err: BaseException) -> str:
+    """The first line of an error's message (its type when it has none)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine flags every command line takes (generate, serve), defaults from EngineConfig."""
     engine = parser.add_argument_group("engine")

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from minigpt.engine import LLM, RequestOutput
-from minigpt.engine_config import add_engine_arguments, engine_args_from
+from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args_from, error_line
 from minigpt.progress import log_to_stderr
 from minigpt.sampling import SamplingParams
 
@@ -103,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"minigpt.generate: error: {message}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(f"minigpt.generate: error: {error_line(err)}", file=sys.stderr)
         return 2
     return 0
 

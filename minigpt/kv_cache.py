@@ -10,6 +10,7 @@ only ever writes into its own last, partial block, so no copy-on-write is needed
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -44,7 +45,14 @@ class KVPool:
         shape = (config.n_layer, 2, num_blocks, block_size, config.n_head, config.head_dim)
         # Zeroed, not empty: attention reads whole pages under a mask, and masked garbage that
         # happens to be NaN would still poison the softmax-weighted sum (NaN * 0 = NaN).
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise MemoryError(
+                f"the KV pool of {num_blocks * block_size:,} tokens ({size / 2**30:,.1f} GiB of {dtype} on {device}) "
+                "could not be allocated: lower kv_cache_tokens or kv_cache_memory"
+            ) from err
 
     @property
     def num_tokens(self) -> int:

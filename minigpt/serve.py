@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minigpt.engine_config import add_engine_arguments, engine_args_from
+from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args_from, error_line
 from minigpt.progress import log_to_stderr
 
 MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
@@ -48,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     log_to_stderr(args.log_level.upper())
     try:
         llm = AsyncLLM(args.model, **engine_args_from(args))
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, OSError) as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"minigpt.serve: error: {message}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(f"minigpt.serve: error: {error_line(err)}", file=sys.stderr)
         return 2
     try:
         app = build_app(llm, args.served_model_name or args.model, args.api_key,
