@@ -190,7 +190,7 @@ class Engine:
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
         else:
-            raise TypeError("a prompt must be a string or a list of token ids")
+            raise TypeError("a prompt must be a string or a list of token ids as Python ints (arrays: .tolist())")
         if not ids:
             raise ValueError("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_limit]
@@ -484,7 +484,8 @@ class LLM:
         if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]
         if not isinstance(prompts, SequenceABC):
-            raise TypeError("prompts must be a string, a list of strings or a list of token-id lists")
+            raise TypeError("prompts must be a string, a list of strings or a list of token-id lists "
+                            "(arrays: .tolist())")
         return list(prompts)
 
     @staticmethod

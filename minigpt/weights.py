@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,6 +157,12 @@ def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # legacy (non-zip) format cannot be mmap'd
             state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # torch's advice (weights_only=False) would run the file's code
+        found = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), "")  # what it names
+        raise CheckpointError(
+            f"{file} holds pickled Python objects besides tensors, which minigpt does not run"
+            + (f" ({found})" if found else "") + "; save the checkpoint as safetensors"
+        ) from None
     except Exception as err:
         raise CheckpointError(f"cannot read {file}: {err}") from None
     if not isinstance(state, dict):
@@ -172,6 +180,11 @@ def _model_key(name: str) -> str | None:
 def is_layernorm(key: str) -> bool:
     """Layernorm parameters stay fp32 in every dtype (see model.Block)."""
     return key.startswith("ln_f.") or ".ln_" in key
+
+
+def _in_layer_order(name: str) -> list[str | int]:
+    """Sort key that puts h.2 before h.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.device) -> None:
@@ -202,10 +215,10 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
             state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
     if unexpected:
-        raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected)[:10])}")
-    missing = sorted(set(expected) - set(state))
+        raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected, key=_in_layer_order)[:10])}")
+    missing = sorted(set(expected) - set(state), key=_in_layer_order)
     if missing:
-        raise CheckpointError(f"missing keys in {path}: {', '.join(missing[:10])}")
+        raise CheckpointError(f"missing keys in {path} (without the 'transformer.' prefix): {', '.join(missing[:10])}")
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.wte.weight

@@ -58,7 +58,7 @@ def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
         (["--temperature", "-0.5"], "temperature"),
         (["--dtype", "float8"], "unknown dtype"),
         (["--prompts-file", "/no/such/file.txt"], "cannot read --prompts-file"),
-        (["--prompt", "hi", "--kv-cache-tokens", str(10**15)], "lower kv_cache_tokens"),  # ~1 EB: past any address space
+        (["--prompt", "hi", "--kv-cache-tokens", str(10**15)], "lower kv_cache_tokens"),  # ~1 EB: never allocated
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_checkpoint, capsys, args, message):

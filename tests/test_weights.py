@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -53,6 +54,23 @@ def test_pytorch_model_bin_only(tmp_path, tiny_checkpoint):
         torch.testing.assert_close(GPT2.from_pretrained(tmp_path)(ids), GPT2.from_pretrained(tiny_checkpoint)(ids))
 
 
+class _RunsCode:
+    """Pickles as a call to os.system: what a hostile .bin carries."""
+
+    def __reduce__(self):
+        return os.system, ("echo this must never run",)
+
+
+def test_pytorch_model_bin_with_code_is_refused_without_running_it(tmp_path, tiny_checkpoint):
+    state = load_file(tiny_checkpoint / "model.safetensors")
+    state["payload"] = _RunsCode()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="pickled Python objects") as refused:
+        load_model(tmp_path)
+    assert "system" in str(refused.value) and "weights_only" not in str(refused.value)  # not torch's advice
+
+
 def test_lm_head_in_file_of_a_tied_model_is_accepted(tmp_path, tiny_checkpoint):
     path = _copy(tiny_checkpoint, tmp_path / "ckpt")
     state = load_file(path / "model.safetensors")
@@ -94,10 +112,11 @@ def test_garbage_weights_file(tmp_path, tiny_checkpoint):
     "edit,match",
     [
         (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), "missing keys.*h.1.mlp.c_fc.bias"),
+        (lambda s: [s.pop(f"transformer.h.{i}.ln_1.bias") for i in (1, 0)], "missing keys.*h.0.ln_1.bias, h.1.ln_1"),
         (lambda s: s.update({"transformer.h.9.attn.c_attn.weight": torch.zeros(2)}), "unexpected keys.*h.9"),
         (lambda s: s.update({"transformer.wpe.weight": torch.zeros(3, 64)}), "wpe.weight has shape"),
     ],
-    ids=["missing", "unexpected", "shape"],
+    ids=["missing", "missing, in layer order", "unexpected", "shape"],
 )
 def test_key_and_shape_errors_name_the_key(tmp_path, tiny_checkpoint, edit, match):
     path = _copy(tiny_checkpoint, tmp_path / "ckpt")
