@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 
 from minigpt.engine import LLM, RequestOutput
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text")
-    source.add_argument("--prompts-file", help="a file with one prompt per line ('-' reads stdin)")
+    source.add_argument("--prompts-file", help="a file with one prompt per line, blank lines skipped ('-' reads stdin)")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_tokens)
     sampling.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0 = greedy")
@@ -43,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def read_prompts(args: argparse.Namespace) -> tuple[list[str], list[int] | None]:
+    """The prompts, and for a --prompts-file the line number of each (blank lines are skipped)."""
     if args.prompts_file is None:
-        return [args.prompt if args.prompt is not None else "Hello, my name is"]
+        return [args.prompt if args.prompt is not None else "Hello, my name is"], None
     if args.prompts_file == "-":
         text = sys.stdin.read()
     else:
@@ -55,11 +57,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         except OSError as err:
             raise ValueError(f"cannot read --prompts-file: {err.strerror}: {args.prompts_file}") from None
     # Lines end at \n (or \r\n) only: str.splitlines() would also split a prompt at U+2028, form feeds, ...
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
-    prompts = [line for line in lines if line.strip()]
-    if not prompts:
+    lines = [(number, line.removesuffix("\r")) for number, line in enumerate(text.split("\n"), 1)]
+    numbered = [(number, line) for number, line in lines if line.strip()]
+    if not numbered:
         raise ValueError(f"no prompts in {args.prompts_file}")
-    return prompts
+    return [line for _, line in numbered], [number for number, _ in numbered]
 
 
 def as_json(out: RequestOutput) -> str:
@@ -75,7 +77,7 @@ def as_json(out: RequestOutput) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    prompts = read_prompts(args)
+    prompts, line_numbers = read_prompts(args)
     params = SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
@@ -90,7 +92,14 @@ def run(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
             sys.stdout.write("\n")
             return
-        outs = llm.generate(prompts, params, progress=False if args.quiet else None)
+        try:
+            outs = llm.generate(prompts, params, progress=False if args.quiet else None)
+        except ValueError as err:  # "prompt i: ..." -> the line of the file it came from
+            refused = re.match(r"prompt (\d+): ", str(err))
+            if refused is None or line_numbers is None:
+                raise
+            where = f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
+            raise ValueError(where + str(err)[refused.end() :]) from None
         for out in outs:
             print(as_json(out) if args.json else out.prompt + out.text, flush=True)
 

@@ -70,6 +70,14 @@ def test_bad_input_is_one_clear_line(tiny_checkpoint, capsys, args, message):
     assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
 
 
+def test_a_refused_prompt_is_named_by_its_line(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("short\n\n" + "long " * 200 + "\nshort again\n", encoding="utf-8")  # line 3: past n_positions
+    assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"minigpt.generate: error: line 3 of {prompts}: prompt of ") and "context" in err, err
+
+
 def test_corrupt_weights_and_offline_hub(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     broken = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not a safetensors file at all")
