@@ -146,8 +146,9 @@ class CompletionServer:
                 index = i * n + delta.index
                 logprobs = None
                 if delta.logprobs is not None and delta.token_ids:
-                    writer = writers.setdefault(index, protocol.LogprobsWriter(tokenizer))
-                    logprobs = writer.write(delta.token_ids, delta.logprobs)
+                    if index not in writers:
+                        writers[index] = protocol.LogprobsWriter(tokenizer)
+                    logprobs = writers[index].write(delta.token_ids, delta.logprobs)
                 if delta.text or delta.finished or logprobs is not None:
                     choice = protocol.choice(index, delta.text, delta.finish_reason, logprobs)
                     yield _event({**header, "choices": [choice]})
