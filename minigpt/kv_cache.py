@@ -10,7 +10,6 @@ only ever writes into its own last, partial block, so no copy-on-write is needed
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -48,9 +47,9 @@ class KVPool:
         try:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = self.num_tokens * bytes_per_token(config, dtype)
             raise MemoryError(
-                f"the KV pool of {num_blocks * block_size:,} tokens ({size / 2**30:,.1f} GiB of {dtype} on {device}) "
+                f"the KV pool of {self.num_tokens:,} tokens ({size / 2**30:,.1f} GiB of {dtype} on {device}) "
                 "could not be allocated: lower kv_cache_tokens or kv_cache_memory"
             ) from err
 
