@@ -147,6 +147,7 @@ class MinigptPeer(P.Peer):
             self.llm = None
 
 
+WORKLOADS = ("stream", "seed000", "seed002", "serving")  # in the order they run, each engine in turn
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "w8a8": 1, "q8_0": 34 / 32}
 
 
@@ -171,7 +172,11 @@ class Bench:
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
         wanted = self.args.dtypes.split(",") if self.args.dtypes else None
-        peers = [p for p in (MinigptPeer(), *P.all_peers()) if chosen is None or p.name in chosen]
+        every = (MinigptPeer(), *P.all_peers())
+        unknown = sorted((chosen or set()) - {peer.name for peer in every})
+        if unknown:
+            raise SystemExit(f"--engines: no engine {', '.join(unknown)}; known: {', '.join(p.name for p in every)}")
+        peers = [p for p in every if chosen is None or p.name in chosen]
         known = {name for peer in peers for d in peer.dtypes + peer.extra_dtypes for name in (d, f"{peer.name}:{d}")}
         unknown = [w for w in wanted or [] if w not in known]
         if unknown:
@@ -207,7 +212,7 @@ class Bench:
             except Exception as err:  # a peer that fails to convert/load is reported, not fatal
                 log(f"skip {peer.name} {dtype}: {type(err).__name__}: {err}")
                 continue
-            for name in ("stream", "seed000", "seed002", "serving"):
+            for name in WORKLOADS:
                 if name in wanted:
                     log(f"{name}: {peer.name} {dtype}")
                     getattr(self, name)(peer, dtype)
@@ -324,22 +329,26 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a local GPT-2 checkpoint directory")
-    parser.add_argument("--workloads", default="stream,seed000,seed002,serving")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--engines", default=None, help="comma list: minigpt,transformers,ctranslate2,llama.cpp")
     parser.add_argument("--dtypes", default=None,
                         help="comma list to restrict to: dtypes (float32,int8) or engine:dtype (minigpt:w8a8)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each workload; numbers are their medians")
     parser.add_argument("--queries", type=int, default=100, help="seed 000: concurrent queries")
     parser.add_argument("--baseline-queries", type=int, default=10,
                         help="seed 000: queries timed one at a time (the rest extrapolated)")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, W.BATCH_SIZES)))
+    parser.add_argument("--batch-sizes", default=",".join(map(str, W.BATCH_SIZES)), help="seed 002: comma list")
     parser.add_argument("--sweep-tokens", type=int, default=32, help="seed 002: tokens per prompt")
     parser.add_argument("--rates", default="2,8", help="serving: requests per second")
-    parser.add_argument("--serving-requests", type=int, default=32)
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--serving-requests", type=int, default=32, help="serving: requests at each rate")
+    parser.add_argument("--out", default="results", help="folder for the JSON results and the plot")
     parser.add_argument("--no-wait", dest="wait_quiet", action="store_false",
                         help="measure at once instead of waiting for other processes to settle")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.workloads.split(",") if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workloads: no workload {', '.join(map(repr, unknown))}; known: {', '.join(WORKLOADS)}")
     if not (Path(args.model) / "config.json").exists():
         parser.error(f"{args.model} is not a checkpoint directory (python scripts/make_checkpoint.py DIR writes one)")
     Bench(args).run()

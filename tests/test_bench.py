@@ -39,6 +39,18 @@ def test_bench_refuses_a_mode_no_engine_has(tiny_checkpoint, tmp_path):
     assert "no engine has minigpt:float8;" in result.stderr  # bfloat16+compile is a mode: not listed
 
 
+def test_bench_refuses_an_unknown_workload_or_engine_before_preparing_any(tiny_checkpoint, tmp_path):
+    bench = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(tiny_checkpoint), "--no-wait",
+             "--out", str(tmp_path)]
+    typo = subprocess.run(bench + ["--workloads", "stream,seed0"], capture_output=True, text=True, check=False)
+    assert typo.returncode != 0
+    assert "no workload 'seed0'; known: stream, seed000, seed002, serving" in typo.stderr
+    engine = subprocess.run(bench + ["--engines", "minigpt,llamacpp"], capture_output=True, text=True, check=False)
+    assert engine.returncode != 0
+    assert "--engines: no engine llamacpp; known: minigpt, transformers" in engine.stderr
+    assert "preparing" not in typo.stderr + engine.stderr
+
+
 def test_mode_names_map_to_engine_settings(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import bench
