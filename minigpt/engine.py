@@ -167,6 +167,12 @@ class Engine:
         self.eos_token_ids = eos_token_ids(path, self.model_config)
         # Ids a token can have: a checkpoint's embedding may be padded past the tokenizer (50304 rows)
         self.vocab_limit = min(self.tokenizer.n_vocab, self.model_config.vocab_size)
+        unreachable = [i for i in self.eos_token_ids if i >= self.vocab_limit]
+        if unreachable:
+            logger.warning(
+                "EOS id %s is past the %d ids the tokenizer and the model share: generation never stops on it "
+                "(is a tokenizer file that adds it missing from %s?)", unreachable[0], self.vocab_limit, path,
+            )
         self.sampler = Sampler(self.vocab_limit, self.eos_token_ids)
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.num_steps = 0

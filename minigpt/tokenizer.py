@@ -3,6 +3,9 @@
 A checkpoint ships either `tokenizer.json` (HF tokenizers format) or `vocab.json` + `merges.txt`.
 Both store each token as text in GPT-2's byte alphabet (every byte shown as a printable character);
 tiktoken wants raw bytes ranked by merge priority, so loading converts the one into the other.
+Beside `vocab.json` + `merges.txt`, the tokens a fine-tune added (`added_tokens.json`,
+`tokenizer_config.json`'s `added_tokens_decoder`) and its `add_bos_token` are read as transformers
+reads them; `tokenizer.json` holds all of that itself.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import tiktoken
 # GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 END_OF_TEXT = "<|endoftext|>"
+# Read beside vocab.json + merges.txt, when present, in this order.
+LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
 
 
 def _byte_level_table() -> dict[int, str]:
@@ -51,9 +56,11 @@ class Tokenizer:
         merges: list[tuple[str, str]],
         special_tokens: dict[str, int],
         source: str = "tokenizer",
+        bos_token_id: int | None = None,
     ) -> None:
         """`vocab` maps byte-alphabet token text to id, `merges` is in priority order, `special_tokens`
-        (text -> id) are matched literally in the input; `source` names the files in error messages."""
+        (text -> id) are matched literally in the input; `source` names the files in error messages.
+        `bos_token_id`: an id `encode` puts before every text (tokenizer_config.json's add_bos_token)."""
 
         def corrupt(problem: str) -> ValueError:
             return ValueError(f"{source}: {problem}")
@@ -106,13 +113,17 @@ class Tokenizer:
             raise corrupt(f"no {END_OF_TEXT} special token")
         self.eos_token_id: int = special_tokens[END_OF_TEXT]
         self.n_vocab: int = n_vocab
+        if bos_token_id is not None and not 0 <= bos_token_id < n_vocab:
+            raise corrupt(f"the BOS token id {bos_token_id} is outside the vocabulary [0, {n_vocab})")
+        self._prefix = [] if bos_token_id is None else [bos_token_id]
         self.encoding = tiktoken.Encoding(
             "minigpt-gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
         )
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Loads `tokenizer.json` if present (what transformers loads), else `vocab.json` + `merges.txt`.
+        """Loads `tokenizer.json` if present (what transformers loads), else `vocab.json` + `merges.txt`
+        with `added_tokens.json` and `tokenizer_config.json` when present.
 
         Building takes a few tenths of a second, so the result is cached per directory while its files
         are unchanged (a Tokenizer is never modified, so sharing it is safe).
@@ -126,17 +137,19 @@ class Tokenizer:
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"{path}: no tokenizer.json, and {' and '.join(missing)} missing")
+            files += tuple(path / name for name in LEGACY_EXTRAS if (path / name).is_file())
         stats = [f.stat() for f in files]
         return _load(cls, tuple(f.resolve() for f in files), tuple((s.st_mtime_ns, s.st_size) for s in stats))
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids. Special tokens written in the text are encoded as themselves, as transformers
         does: "a<|endoftext|>b" gives [64, 50256, 65], not the ids of the characters "<", "|", ...
-        So a prompt can hold document separators, and user text can too: filter it if that matters."""
+        So a prompt can hold document separators, and user text can too: filter it if that matters.
+        With tokenizer_config.json's add_bos_token, the ids start with the BOS token, as transformers' do."""
         ids = self.encoding.encode(text, allowed_special="all")
-        if self._rank_to_id is None:
-            return ids
-        return [self._rank_to_id.get(r, r) for r in ids]
+        if self._rank_to_id is not None:
+            ids = [self._rank_to_id.get(r, r) for r in ids]
+        return self._prefix + ids
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """Ids -> the raw bytes they stand for (possibly cut inside a UTF-8 character)."""
@@ -189,13 +202,46 @@ def gpt2_vocab_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=8)
 def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int, int], ...]) -> Tokenizer:
-    """Builds from (tokenizer.json,) or (vocab.json, merges.txt); `stamps` make changed files miss the cache."""
+    """Builds from (tokenizer.json,) or (vocab.json, merges.txt, *present LEGACY_EXTRAS); `stamps` make
+    changed files miss the cache."""
     if len(files) == 1:
         return cls(*_read_tokenizer_json(files[0]), source=str(files[0]))
-    vocab_file, merges_file = files
+    vocab_file, merges_file, *extras = files
     vocab = _check_vocab(_read_json(vocab_file), vocab_file)
     special = {END_OF_TEXT: vocab[END_OF_TEXT]} if END_OF_TEXT in vocab else {}
-    return cls(vocab, _read_merges(merges_file), special, source=f"{vocab_file} + {merges_file.name}")
+    bos_token = None  # set only by tokenizer_config.json
+    for file in extras:
+        added, bos_token = _read_added_tokens(file)
+        special |= added
+    bos_token_id = None if bos_token is None else special.get(bos_token, vocab.get(bos_token))
+    source = " + ".join([str(vocab_file), *(f.name for f in (merges_file, *extras))])
+    if bos_token is not None and bos_token_id is None:
+        raise ValueError(f"{source}: add_bos_token is set but the BOS token {bos_token!r} is not in the vocabulary")
+    return cls(vocab, _read_merges(merges_file), special, source=source, bos_token_id=bos_token_id)
+
+
+def _read_added_tokens(file: Path) -> tuple[dict[str, int], str | None]:
+    """The tokens a fine-tune added (text -> id), and the BOS token's text when `add_bos_token` is set:
+    added_tokens.json maps text to id; tokenizer_config.json maps ids to entries in `added_tokens_decoder`
+    and may set `add_bos_token` with its `bos_token` (GPT-2's default: <|endoftext|>)."""
+    data = _read_json(file)
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    if file.name == "added_tokens.json":
+        if not all(type(i) is int and i >= 0 for i in data.values()):
+            raise ValueError(f"{file}: every added token must map to a non-negative integer id")
+        return data, None
+    decoder = data.get("added_tokens_decoder", {})
+    added = {}
+    for i, entry in decoder.items() if isinstance(decoder, dict) else [(None, None)]:
+        if not (str(i).isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str)):
+            raise ValueError(f"{file}: added_tokens_decoder must map each id to an entry with a 'content' string")
+        added[entry["content"]] = int(i)
+    bos = data.get("bos_token", END_OF_TEXT)
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    if data.get("add_bos_token") is True and not isinstance(bos, str):
+        raise ValueError(f"{file}: add_bos_token is set but bos_token is not a token's text")
+    return added, bos if data.get("add_bos_token") is True else None
 
 
 def _read_json(file: Path) -> object:

@@ -35,6 +35,7 @@ DTYPES = {
 # Files at the repo's root only (fnmatch's * also crosses "/": "*.safetensors" would fetch every
 # checkpoint-*/ folder of a fine-tune): the tokenizer, and the weights in transformers' names.
 HUB_FILES = ["config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.json",
+             "added_tokens.json", "tokenizer_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
 HUB_FALLBACK_FILES = ["pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json"]
 # What the loader reads, in the order it prefers

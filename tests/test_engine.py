@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from minigpt import LLM, SamplingParams
 
@@ -249,6 +250,32 @@ def test_every_eos_id_of_a_list_ends_generation(tmp_path, tiny_checkpoint, file)
         out = llm.generate([prompt], SamplingParams(max_tokens=8))[0].outputs[0]
     assert out.token_ids == expected == free[: free.index(free[3]) + 1]
     assert out.finish_reason == "stop"
+
+
+def test_an_eos_a_fine_tune_added_ends_generation_as_in_transformers(tmp_path, checkpoint_factory, caplog):
+    """An end-of-turn token added by a fine-tune (added_tokens.json, beside vocab.json + merges.txt) that
+    generation_config.json makes the EOS: sampled, decoded and stopped on as transformers does. Without its
+    file the tokenizer does not know the id: the engine says generation will never stop on it."""
+    path = checkpoint_factory(vocab_size=50258, tie_word_embeddings=False)
+    prompt = [5, 6, 7]
+    with LLM(str(path)) as llm:
+        free = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    path = shutil.copytree(path, tmp_path / "added_eos")
+    (path / "added_tokens.json").write_text(json.dumps({"<|end|>": 50257}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 50257}))
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"][50257] = 1.05 * state["lm_head.weight"][free[3]]  # the model ends where it said free[3]
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    expected = hf_greedy(hf_model(path), prompt, 4)
+    with LLM(str(path)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+        assert out.token_ids == expected == [*free[:3], 50257]
+        assert out.finish_reason == "stop"
+        assert llm.tokenizer.decode(out.token_ids).endswith("<|end|>")
+    (path / "added_tokens.json").unlink()
+    with caplog.at_level("WARNING", logger="minigpt"), LLM(str(path)) as llm:
+        assert llm.generate([prompt], SamplingParams(max_tokens=8))[0].finish_reason == "length"
+    assert "EOS id 50257 is past the 50257 ids the tokenizer and the model share" in caplog.text
 
 
 def test_close_and_context_manager(tiny_checkpoint):

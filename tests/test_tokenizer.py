@@ -259,6 +259,11 @@ def test_missing_files(gpt2_dir: Path, tmp_path: Path) -> None:
         ("merges.txt", b"\xff\xfe\n", r"merges\.txt.*not UTF-8"),
         ("tokenizer.json", "{}", r"tokenizer\.json.*expected a BPE model"),
         ("tokenizer.json", "\x00", r"tokenizer\.json.*not valid JSON"),
+        ("added_tokens.json", '{"<|pad|>": "50257"}', r"added_tokens\.json: every added token must map to"),
+        ("added_tokens.json", '{"<|pad|>": 5}', r"added_tokens\.json: special token '<\|pad\|>' has id 5, which belongs"),
+        ("added_tokens.json", '{"<|pad|>": 50300}', r"added_tokens\.json: token ids must be 0\.\.50257 without gaps"),
+        ("tokenizer_config.json", '{"added_tokens_decoder": {"x": {"content": "a"}}}', r"added_tokens_decoder must map"),
+        ("tokenizer_config.json", '{"add_bos_token": true, "bos_token": "<s>"}', r"BOS token '<s>' is not in the vocab"),
     ],
 )
 def test_corrupt_files(gpt2_dir: Path, tmp_path: Path, file: str, content: str | bytes, message: str) -> None:
@@ -268,6 +273,38 @@ def test_corrupt_files(gpt2_dir: Path, tmp_path: Path, file: str, content: str |
     target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content, encoding="utf-8")
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_tokens_added_by_a_fine_tune_beside_vocab_and_merges(gpt2_dir: Path, tmp_path: Path, tok: Tokenizer) -> None:
+    """added_tokens.json and tokenizer_config.json's added_tokens_decoder and add_bos_token, read as transformers
+    reads them: the added tokens are matched literally in the text, and every text starts with the BOS token."""
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(gpt2_dir / name, tmp_path / name)
+    texts = ["Question<|pad|>Answer<|end|>", "hello <|pad|><|pad|> <|end|>x", f"<|end|>{END_OF_TEXT}", "<|pad|"]
+    added = {"<|pad|>": 50257, "<|end|>": 50258}
+    decoder = {str(i): {"content": text, "special": True} for text, i in {END_OF_TEXT: 50256, **added}.items()}
+    config = {"tokenizer_class": "GPT2Tokenizer", "added_tokens_decoder": decoder}
+    older = {"added_tokens.json": added, "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer"}}
+    for files in (older, {"tokenizer_config.json": config}):  # saved by older and newer transformers
+        for name in ("added_tokens.json", "tokenizer_config.json"):
+            (tmp_path / name).unlink(missing_ok=True)
+        for name, content in files.items():
+            (tmp_path / name).write_text(json.dumps(content), encoding="utf-8")
+        with_added = Tokenizer.from_dir(tmp_path)
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        assert with_added.n_vocab == len(hf) == 50259
+        for text in texts + HARD[:12]:
+            ids = with_added.encode(text)
+            assert ids == hf.encode(text), text
+            assert with_added.decode(ids) == hf.decode(ids) == text
+        assert with_added.encode("Q<|end|>") == tok.encode("Q") + [50258]
+
+    config["add_bos_token"] = True  # bos_token: GPT-2's <|endoftext|> when not named
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    with_bos = Tokenizer.from_dir(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("Hello world", "<|pad|>x", ""):
+        assert with_bos.encode(text) == hf.encode(text) == [50256, *with_added.encode(text)], text
 
 
 def test_vocab_without_end_of_text(gpt2_dir: Path, tmp_path: Path) -> None:

@@ -218,9 +218,11 @@ def test_hub_patterns_fetch_only_the_root_files():
 
     from minigpt.weights import HUB_FALLBACK_FILES, HUB_FILES
 
-    repo = ["config.json", "vocab.json", "merges.txt", "model.safetensors", "model-00001-of-00002.safetensors",
-            "model.safetensors.index.json", "pytorch_model.bin", "checkpoint-500/model.safetensors",
-            "onnx/model.safetensors", "checkpoint-500/pytorch_model.bin", "flax_model.msgpack"]
+    repo = ["config.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json",
+            "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+            "pytorch_model.bin", "checkpoint-500/model.safetensors", "onnx/model.safetensors",
+            "checkpoint-500/pytorch_model.bin", "checkpoint-500/tokenizer_config.json", "flax_model.msgpack"]
     picked = set(filter_repo_objects(repo, allow_patterns=HUB_FILES + HUB_FALLBACK_FILES))
-    assert picked == {"config.json", "vocab.json", "merges.txt", "model.safetensors",
-                      "model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin"}
+    assert picked == {"config.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json",
+                      "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+                      "pytorch_model.bin"}
