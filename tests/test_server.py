@@ -267,6 +267,7 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "max_token": 5}, 400, "max_token", "unknown field"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n", "n must be"),
+    ({"prompt": "hi", "n": 129}, 400, "n", "n must be at most 128"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "logprobs"),
     ({"prompt": "hi", "logprobs": 21, "echo": True}, 400, "logprobs", "logprobs"),

@@ -18,6 +18,8 @@ from minigpt.server.errors import invalid
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
+# OpenAI's limit on completions per prompt: one request may not queue thousands of sequences at once
+MAX_N = 128
 
 
 class StreamOptions(BaseModel):
@@ -71,6 +73,8 @@ class CompletionRequest(BaseModel):
             raise invalid("suffix is not supported", "suffix")
         if self.logit_bias:
             raise invalid("logit_bias is not supported", "logit_bias")
+        if self.n is not None and self.n > MAX_N:
+            raise invalid(f"n must be at most {MAX_N} (completions per prompt), got {self.n}", "n")
         if self.best_of not in (None, self.n or 1):
             raise invalid("best_of is not supported unless it equals n", "best_of")
         if self.stream_options is not None and not self.stream:
