@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -191,6 +191,7 @@ class Engine:
         """Validate and tokenize a prompt; raises ValueError naming the problem."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = replace(params)  # checked again (a field set after construction) and the request's own copy
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -46,7 +46,8 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
 @dataclass
 class SamplingParams:
-    """How to pick the tokens of one request; checked at construction so bad values fail at submission.
+    """How to pick the tokens of one request; checked at construction and again at submission, where the
+    engine takes its own copy: a field changed later can neither skip the checks nor alter a running request.
 
     temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
     overflows float32; vLLM draws the same line); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to

@@ -311,6 +311,22 @@ def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
             llm.generate(["x"], {"max_tokens": 2})
 
 
+def test_params_changed_after_construction_are_checked_and_copied(tiny_checkpoint):
+    """A field set on a SamplingParams later is checked when it is submitted, and a request keeps the
+    values it was submitted with when the caller changes its SamplingParams while it runs."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
+        for name, value in [("temperature", float("nan")), ("max_tokens", 0), ("stop", [""])]:
+            bad = SamplingParams(max_tokens=4)
+            setattr(bad, name, value)
+            with pytest.raises(ValueError, match=f"SamplingParams.{name} must be"):
+                llm.generate("x", bad)
+        four, one = (out.outputs[0].text for out in llm.generate(["x", "x"], [params, SamplingParams(max_tokens=1)]))
+        stream = llm.stream("x", params)
+        params.max_tokens = 1
+        assert "".join(stream) == four != one
+
+
 def test_unknown_engine_argument(tiny_checkpoint):
     with pytest.raises(TypeError, match="kv_cache_tokenz"):
         LLM(str(tiny_checkpoint), kv_cache_tokenz=4)
