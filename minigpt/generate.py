@@ -21,6 +21,14 @@ from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args
 from minigpt.progress import log_to_stderr
 from minigpt.sampling import SamplingParams
 
+# The SamplingParams field each sampling flag sets (by the flag's dest): builds the params and names
+# the flag, not the field, when a value is refused
+SAMPLING_FLAGS = {
+    "max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+    "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
+    "ignore_eos": "ignore_eos",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minigpt.generate", description="Generate text with GPT-2.")
@@ -76,13 +84,20 @@ def as_json(out: RequestOutput) -> str:
     }, ensure_ascii=False)
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams; a refused value is reported under its flag's name."""
+    try:
+        return SamplingParams(**{field: getattr(args, dest) for dest, field in SAMPLING_FLAGS.items()})
+    except ValueError as err:
+        message = str(err)
+        for dest, field in SAMPLING_FLAGS.items():
+            message = message.replace(f"SamplingParams.{field} ", f"--{dest.replace('_', '-')} ")
+        raise ValueError(message) from None
+
+
 def run(args: argparse.Namespace) -> None:
     prompts, line_numbers = read_prompts(args)
-    params = SamplingParams(
-        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args)
     with LLM(args.model, **engine_args_from(args)) as llm:
         if len(prompts) == 1 and not args.json:
             deltas = llm.stream(prompts[0], params)  # bad input raises here, before anything is written
