@@ -42,6 +42,7 @@ HUB_FALLBACK_FILES = ["pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors",
                 "pytorch_model.bin.index.json", "pytorch_model.bin")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_BLOCK = re.compile(r"h\.(\d+)\.")  # a transformer block's key, without the "transformer." prefix
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
 
 
@@ -195,9 +196,12 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    layers: set[int] = set()  # the block indices the files hold
     for file in _weight_files(path):
         for name, tensor in _read_tensors(file):
             key = _model_key(name)
+            if key is not None and (block := _BLOCK.match(key)):
+                layers.add(int(block.group(1)))
             if key is None or (tied and key == "lm_head.weight"):
                 continue
             if key not in expected:
@@ -215,6 +219,12 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
             # must not change (or die of SIGBUS) when the file is overwritten after loading.
             state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
+    n_layer = model.config.n_layer
+    if layers == set(range(len(layers))) and len(layers) != n_layer:
+        raise CheckpointError(
+            f"{path}: the weights hold {len(layers)} layers but config.json's n_layer is {n_layer}"
+            f" (GPT-2's default when config.json leaves it out is {GPT2Config().n_layer})"
+        )
     if unexpected:
         raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected, key=_in_layer_order)[:10])}")
     missing = sorted(set(expected) - set(state), key=_in_layer_order)

@@ -137,6 +137,21 @@ def test_missing_keys_are_named_in_layer_order(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("n_layer", [None, 3, 1])
+def test_a_config_whose_n_layer_differs_from_the_weights_says_so(tmp_path, tiny_checkpoint, n_layer):
+    """A config.json that leaves n_layer out gets GPT-2's 12; the 2-layer weights then lack layers 2-11.
+    The error counts the layers on each side instead of listing missing (or unexpected) keys."""
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("n_layer")
+    if n_layer is not None:
+        config["num_hidden_layers"] = n_layer
+    (path / "config.json").write_text(json.dumps(config))
+    told = 12 if n_layer is None else n_layer
+    with pytest.raises(CheckpointError, match=f"the weights hold 2 layers but config.json's n_layer is {told} "):
+        load_model(path)
+
+
 def test_untied_model_without_lm_head_is_refused(tmp_path, tiny_checkpoint):
     path = _copy(tiny_checkpoint, tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text())
