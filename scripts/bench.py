@@ -262,8 +262,10 @@ class Bench:
         for rate in [float(x) for x in self.args.rates.split(",")]:
             w = W.serving(self.encode, rate, n_requests=self.args.serving_requests)
             r = self.measured(lambda w=w, rate=rate: peer.run_serving(w.requests, rate), w.name)
-            self.results.setdefault("serving", []).append({"label": f"{peer.name} {dtype}", "mode": r.mode,
-                                                           **r.summary()})
+            row = {"label": f"{peer.name} {dtype}", "mode": r.mode, **r.summary()}
+            self.results.setdefault("serving", []).append(row)
+            log(f"  {rate:g} req/s: TTFT p50 {row['ttft_p50_ms']:,.0f} ms, TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
+                f"{row['tok_per_s']:,.1f} tok/s")
 
     def report(self) -> None:
         out = Path(self.args.out)

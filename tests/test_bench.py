@@ -27,6 +27,7 @@ def test_bench_smoke(checkpoint_factory, tmp_path):
     assert batched["tokens_generated"] == 6 * 64 and batched["avg_batch"] > 1
     assert all(r["tokens_generated"] == 128 for r in data["stream"])
     assert len(data["serving"]) == 1 and data["serving"][0]["requests"] == 4
+    assert "  20 req/s: TTFT p50 " in result.stderr  # progress for each serving rate, as for each batch size
 
 
 def test_bench_refuses_a_mode_no_engine_has(tiny_checkpoint, tmp_path):
