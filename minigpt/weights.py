@@ -220,7 +220,7 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
             state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
     n_layer = model.config.n_layer
-    if layers == set(range(len(layers))) and len(layers) != n_layer:
+    if layers and layers == set(range(len(layers))) and len(layers) != n_layer:  # whole blocks, another count
         raise CheckpointError(
             f"{path}: the weights hold {len(layers)} layers but config.json's n_layer is {n_layer}"
             f" (GPT-2's default when config.json leaves it out is {GPT2Config().n_layer})"
