@@ -268,6 +268,8 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "hi", "n": 129}, 400, "n", "n must be at most 128"),
+    ({"prompt": ["hi"] * 17, "n": 128}, 400, "n", "at most 2048 completions (prompts x n), got 2176"),
+    ({"prompt": [[1]] * 2049}, 400, "prompt", "at most 2048 completions"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "logprobs"),
     ({"prompt": "hi", "logprobs": 21, "echo": True}, 400, "logprobs", "logprobs"),

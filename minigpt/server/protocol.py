@@ -18,8 +18,10 @@ from minigpt.server.errors import invalid
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
-# OpenAI's limit on completions per prompt: one request may not queue thousands of sequences at once
+# OpenAI's limit on completions per prompt, and ours on a request's completions (prompts x n): one
+# request may not queue thousands of sequences ahead of every other
 MAX_N = 128
+MAX_CHOICES = 2048
 
 
 class StreamOptions(BaseModel):
@@ -65,6 +67,10 @@ class CompletionRequest(BaseModel):
             prompt = [prompt]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
+        choices = len(prompt) * (self.n or 1)
+        if choices > MAX_CHOICES:
+            raise invalid(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), got {choices}",
+                          "n" if (self.n or 1) > 1 else "prompt")
         return prompt
 
     def sampling_params(self) -> SamplingParams:
