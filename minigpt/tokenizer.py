@@ -5,7 +5,8 @@ Both store each token as text in GPT-2's byte alphabet (every byte shown as a pr
 tiktoken wants raw bytes ranked by merge priority, so loading converts the one into the other.
 Beside `vocab.json` + `merges.txt`, the tokens a fine-tune added (`added_tokens.json`,
 `tokenizer_config.json`'s `added_tokens_decoder`) and its `add_bos_token` are read as transformers
-reads them; `tokenizer.json` holds all of that itself.
+reads them, except that added tokens are always matched literally (a warning names a token whose
+lstrip / rstrip / single_word would change that); `tokenizer.json` holds all of that itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import codecs
 import functools
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +25,10 @@ import tiktoken
 # GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 END_OF_TEXT = "<|endoftext|>"
+# Flags of an added token that change how it is matched; minigpt matches added tokens literally
+MATCHING_FLAGS = ("lstrip", "rstrip", "single_word")
+
+logger = logging.getLogger(__name__)
 # Read beside vocab.json + merges.txt, when present, in this order.
 LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
 
@@ -209,10 +215,12 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     vocab_file, merges_file, *extras = files
     vocab = _check_vocab(_read_json(vocab_file), vocab_file)
     special = {END_OF_TEXT: vocab[END_OF_TEXT]} if END_OF_TEXT in vocab else {}
-    bos_token = None  # set only by tokenizer_config.json
-    for file in extras:
-        added, bos_token = _read_added_tokens(file)
-        special |= added
+    read = {file.name: _read_added_tokens(file) for file in extras}
+    config_added, bos_token = read.get("tokenizer_config.json", (None, None))
+    # As transformers: added_tokens.json only without an added_tokens_decoder; an added text the
+    # vocabulary already holds is matched literally, under its own id
+    added = config_added if config_added is not None else read.get("added_tokens.json", ({}, None))[0]
+    special |= {text: vocab.get(text, i) for text, i in added.items()}
     bos_token_id = None if bos_token is None else special.get(bos_token, vocab.get(bos_token))
     source = " + ".join([str(vocab_file), *(f.name for f in (merges_file, *extras))])
     if bos_token is not None and bos_token_id is None:
@@ -220,10 +228,11 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     return cls(vocab, _read_merges(merges_file), special, source=source, bos_token_id=bos_token_id)
 
 
-def _read_added_tokens(file: Path) -> tuple[dict[str, int], str | None]:
-    """The tokens a fine-tune added (text -> id), and the BOS token's text when `add_bos_token` is set:
-    added_tokens.json maps text to id; tokenizer_config.json maps ids to entries in `added_tokens_decoder`
-    and may set `add_bos_token` with its `bos_token` (GPT-2's default: <|endoftext|>)."""
+def _read_added_tokens(file: Path) -> tuple[dict[str, int] | None, str | None]:
+    """The tokens a fine-tune added (text -> id; None for a tokenizer_config.json without
+    `added_tokens_decoder`), and the BOS token's text when `add_bos_token` is set: added_tokens.json maps
+    text to id; tokenizer_config.json maps ids to entries in `added_tokens_decoder` and may set
+    `add_bos_token` with its `bos_token` (GPT-2's default: <|endoftext|>; null: none)."""
     data = _read_json(file)
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object")
@@ -231,17 +240,27 @@ def _read_added_tokens(file: Path) -> tuple[dict[str, int], str | None]:
         if not all(type(i) is int and i >= 0 for i in data.values()):
             raise ValueError(f"{file}: every added token must map to a non-negative integer id")
         return data, None
-    decoder = data.get("added_tokens_decoder", {})
-    added = {}
-    for i, entry in decoder.items() if isinstance(decoder, dict) else [(None, None)]:
-        if not (str(i).isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str)):
-            raise ValueError(f"{file}: added_tokens_decoder must map each id to an entry with a 'content' string")
+    decoder = data.get("added_tokens_decoder")
+    bad_decoder = ValueError(f"{file}: added_tokens_decoder must map each id to an entry with a 'content' string")
+    if decoder is not None and not isinstance(decoder, dict):
+        raise bad_decoder
+    added = None if decoder is None else {}
+    for i, entry in (decoder or {}).items():
+        if not (i.isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str)):
+            raise bad_decoder
         added[entry["content"]] = int(i)
+        flags = [flag for flag in MATCHING_FLAGS if entry.get(flag) is True]
+        if flags:
+            logger.warning("%s: added token %r sets %s, which minigpt ignores: it matches the token literally, "
+                           "so text around it may encode differently from transformers", file, entry["content"],
+                           " and ".join(flags))
     bos = data.get("bos_token", END_OF_TEXT)
     bos = bos.get("content") if isinstance(bos, dict) else bos
-    if data.get("add_bos_token") is True and not isinstance(bos, str):
+    if data.get("add_bos_token") is not True or bos is None:
+        return added, None
+    if not isinstance(bos, str):
         raise ValueError(f"{file}: add_bos_token is set but bos_token is not a token's text")
-    return added, bos if data.get("add_bos_token") is True else None
+    return added, bos
 
 
 def _read_json(file: Path) -> object:

@@ -307,6 +307,44 @@ def test_tokens_added_by_a_fine_tune_beside_vocab_and_merges(gpt2_dir: Path, tmp
         assert with_bos.encode(text) == hf.encode(text) == [50256, *with_added.encode(text)], text
 
 
+PAD = {"content": "<|pad|>", "special": True}
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"tokenizer_config.json": {"added_tokens_decoder": {}}, "added_tokens.json": {"<|pad|>": 50257}},
+        {"tokenizer_config.json": {"added_tokens_decoder": {"50257": PAD}}, "added_tokens.json": {"<|x|>": 50258}},
+        {"tokenizer_config.json": {}, "added_tokens.json": {"hello": 50257}},
+        {"tokenizer_config.json": {"added_tokens_decoder": {"50257": {"content": END_OF_TEXT, "special": True}}}},
+        {"tokenizer_config.json": {"add_bos_token": True, "bos_token": None}},
+    ],
+    ids=["empty-decoder-wins", "decoder-wins", "vocab-text-keeps-its-id", "eot-keeps-its-id", "null-bos"],
+)
+def test_added_tokens_where_the_files_disagree_as_transformers(gpt2_dir: Path, tmp_path: Path, files: dict) -> None:
+    """transformers reads added_tokens.json only when tokenizer_config.json has no added_tokens_decoder, matches
+    a vocabulary token that a file adds again literally under its own id, and adds no BOS when bos_token is null."""
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(gpt2_dir / name, tmp_path / name)
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", **content}
+                                                if name == "tokenizer_config.json" else content), encoding="utf-8")
+    ours, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("a<|pad|>b<|x|>", "say hello!", f"x{END_OF_TEXT}y", "Hello world"):
+        assert ours.encode(text) == hf.encode(text), text
+    assert ours.eos_token_id == 50256
+
+
+def test_an_added_token_flag_minigpt_ignores_is_warned(gpt2_dir: Path, tmp_path: Path, caplog) -> None:
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(gpt2_dir / name, tmp_path / name)
+    decoder = {"50257": {**PAD, "lstrip": True, "rstrip": False}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}), encoding="utf-8")
+    with caplog.at_level("WARNING", logger="minigpt"):
+        assert Tokenizer.from_dir(tmp_path).encode("<|pad|>") == [50257]
+    assert "added token '<|pad|>' sets lstrip, which minigpt ignores" in caplog.text
+
+
 def test_vocab_without_end_of_text(gpt2_dir: Path, tmp_path: Path) -> None:
     vocab, _ = _vocab_and_merges(gpt2_dir)
     del vocab[END_OF_TEXT]
