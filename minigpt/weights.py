@@ -219,17 +219,21 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
             # must not change (or die of SIGBUS) when the file is overwritten after loading.
             state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
+    missing = sorted(set(expected) - set(state), key=_in_layer_order)
     n_layer = model.config.n_layer
-    if layers and layers == set(range(len(layers))) and len(layers) != n_layer:  # whole blocks, another count
+    # Whole blocks h.0.. of another count, and every other tensor there: say so rather than list keys
+    if layers == set(range(len(layers))) and len(layers) not in (0, n_layer) and all(map(_BLOCK.match, missing)):
+        found, default = len(layers), GPT2Config().n_layer
         raise CheckpointError(
-            f"{path}: the weights hold {len(layers)} layers but config.json's n_layer is {n_layer}"
-            f" (GPT-2's default when config.json leaves it out is {GPT2Config().n_layer})"
+            f"{path}: the weights hold {found} layer{'s' if found > 1 else ''} (h.0 to h.{found - 1}) but"
+            f" config.json's n_layer is {n_layer}: is config.json another model's, or are layers missing?"
+            + (f" ({default} is also GPT-2's default when config.json has no n_layer)" if n_layer == default else "")
         )
     if unexpected:
         raise CheckpointError(f"unexpected keys in {path}: {', '.join(sorted(unexpected, key=_in_layer_order)[:10])}")
-    missing = sorted(set(expected) - set(state), key=_in_layer_order)
     if missing:
-        raise CheckpointError(f"missing keys in {path} (without the 'transformer.' prefix): {', '.join(missing[:10])}")
+        listed = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise CheckpointError(f"missing keys in {path} (without the 'transformer.' prefix): {listed}")
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.wte.weight

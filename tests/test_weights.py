@@ -148,7 +148,20 @@ def test_a_config_whose_n_layer_differs_from_the_weights_says_so(tmp_path, tiny_
         config["num_hidden_layers"] = n_layer
     (path / "config.json").write_text(json.dumps(config))
     told = 12 if n_layer is None else n_layer
-    with pytest.raises(CheckpointError, match=f"the weights hold 2 layers but config.json's n_layer is {told} "):
+    with pytest.raises(CheckpointError, match=f"the weights hold 2 layers \\(h.0 to h.1\\) but config.json's n_layer "
+                                              f"is {told}: is config.json another model's, or are layers missing\\?"
+                                              + (" \\(12 is also GPT-2's default" if told == 12 else "$")):
+        load_model(path)
+
+
+def test_weights_that_lost_a_shard_list_what_is_missing(tmp_path, tiny_checkpoint):
+    """The last layer gone and ln_f with it (a shard lost): the missing keys, not a layer count."""
+    path = _copy(tiny_checkpoint, tmp_path / "ckpt")
+    state = load_file(path / "model.safetensors")
+    for key in [k for k in state if k.startswith(("transformer.h.1.", "transformer.ln_f."))]:
+        del state[key]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing keys .*: h\.1\.attn\.c_attn\.bias, .* and 4 more$"):
         load_model(path)
 
 
