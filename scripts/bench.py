@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", default=None, help="comma list: minigpt,transformers,ctranslate2,llama.cpp")
     parser.add_argument("--dtypes", default=None,
                         help="comma list to restrict to: dtypes (float32,int8) or engine:dtype (minigpt:w8a8)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each workload; numbers are their medians")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each workload but serving (once per rate); numbers are their medians")
     parser.add_argument("--queries", type=int, default=100, help="seed 000: concurrent queries")
     parser.add_argument("--baseline-queries", type=int, default=10,
                         help="seed 000: queries timed one at a time (the rest extrapolated)")
