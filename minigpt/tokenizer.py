@@ -83,14 +83,17 @@ class Tokenizer:
         if min(id_to_token) != 0 or max(id_to_token) != n_vocab - 1:
             raise corrupt(f"token ids must be 0..{n_vocab - 1} without gaps")
         special_ids = set(special_tokens.values())
+        added_ids = special_ids - set(vocab.values())  # special tokens beyond the vocabulary
 
         def to_bytes(i: int) -> bytes:
             token = id_to_token[i]
-            if i in special_ids:
+            if i in added_ids:
                 return token.encode()
             try:
                 return token.translate(_BYTE_LEVEL).encode("latin-1")
             except UnicodeEncodeError:
+                if i in special_ids:  # a special token's vocabulary entry need not be byte-level text
+                    return token.encode()
                 raise corrupt(f"token {token!r} has a character outside GPT-2's byte alphabet") from None
 
         self._token_bytes = [to_bytes(i) for i in range(n_vocab)]
@@ -98,7 +101,7 @@ class Tokenizer:
         # tiktoken merges the adjacent pair whose joined bytes have the lowest rank, and returns ranks as
         # ids. Rank = vocab id works when ids grow in merge order (true for GPT-2); otherwise rank by
         # merge order and translate ranks back to vocab ids after encoding.
-        ranks = {b: i for i, b in enumerate(self._token_bytes) if len(b) == 1 and i not in special_ids}
+        ranks = {b: i for i, b in enumerate(self._token_bytes) if len(b) == 1 and i not in added_ids}
         if len(ranks) != 256:
             raise corrupt(f"the vocabulary has {len(ranks)} of the 256 single-byte tokens")
         merged: dict[bytes, int] = {}

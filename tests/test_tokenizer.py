@@ -316,10 +316,12 @@ PAD = {"content": "<|pad|>", "special": True}
         {"tokenizer_config.json": {"added_tokens_decoder": {}}, "added_tokens.json": {"<|pad|>": 50257}},
         {"tokenizer_config.json": {"added_tokens_decoder": {"50257": PAD}}, "added_tokens.json": {"<|x|>": 50258}},
         {"tokenizer_config.json": {}, "added_tokens.json": {"hello": 50257}},
+        {"tokenizer_config.json": {}, "added_tokens.json": {"!": 0}},
         {"tokenizer_config.json": {"added_tokens_decoder": {"50257": {"content": END_OF_TEXT, "special": True}}}},
         {"tokenizer_config.json": {"add_bos_token": True, "bos_token": None}},
     ],
-    ids=["empty-decoder-wins", "decoder-wins", "vocab-text-keeps-its-id", "eot-keeps-its-id", "null-bos"],
+    ids=["empty-decoder-wins", "decoder-wins", "vocab-text-keeps-its-id", "a-byte-added-again", "eot-keeps-its-id",
+         "null-bos"],
 )
 def test_added_tokens_where_the_files_disagree_as_transformers(gpt2_dir: Path, tmp_path: Path, files: dict) -> None:
     """transformers reads added_tokens.json only when tokenizer_config.json has no added_tokens_decoder, matches
