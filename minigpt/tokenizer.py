@@ -27,10 +27,10 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 END_OF_TEXT = "<|endoftext|>"
 # Flags of an added token that change how it is matched; minigpt matches added tokens literally
 MATCHING_FLAGS = ("lstrip", "rstrip", "single_word")
+# Read beside vocab.json + merges.txt when present: the tokens a fine-tune added, and add_bos_token
+LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
 
 logger = logging.getLogger(__name__)
-# Read beside vocab.json + merges.txt, when present, in this order.
-LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
 
 
 def _byte_level_table() -> dict[int, str]:
@@ -218,11 +218,13 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     vocab_file, merges_file, *extras = files
     vocab = _check_vocab(_read_json(vocab_file), vocab_file)
     special = {END_OF_TEXT: vocab[END_OF_TEXT]} if END_OF_TEXT in vocab else {}
-    read = {file.name: _read_added_tokens(file) for file in extras}
-    config_added, bos_token = read.get("tokenizer_config.json", (None, None))
+    by_name = {file.name: file for file in extras}
+    listed = _read_added_tokens_json(by_name["added_tokens.json"]) if "added_tokens.json" in by_name else {}
+    decoded, bos_token = (_read_tokenizer_config(by_name["tokenizer_config.json"])
+                          if "tokenizer_config.json" in by_name else (None, None))
     # As transformers: added_tokens.json only without an added_tokens_decoder; an added text the
     # vocabulary already holds is matched literally, under its own id
-    added = config_added if config_added is not None else read.get("added_tokens.json", ({}, None))[0]
+    added = listed if decoded is None else decoded
     special |= {text: vocab.get(text, i) for text, i in added.items()}
     bos_token_id = None if bos_token is None else special.get(bos_token, vocab.get(bos_token))
     source = " + ".join([str(vocab_file), *(f.name for f in (merges_file, *extras))])
@@ -231,18 +233,26 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     return cls(vocab, _read_merges(merges_file), special, source=source, bos_token_id=bos_token_id)
 
 
-def _read_added_tokens(file: Path) -> tuple[dict[str, int] | None, str | None]:
-    """The tokens a fine-tune added (text -> id; None for a tokenizer_config.json without
-    `added_tokens_decoder`), and the BOS token's text when `add_bos_token` is set: added_tokens.json maps
-    text to id; tokenizer_config.json maps ids to entries in `added_tokens_decoder` and may set
-    `add_bos_token` with its `bos_token` (GPT-2's default: <|endoftext|>; null: none)."""
+def _read_json_object(file: Path) -> dict:
     data = _read_json(file)
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object")
-    if file.name == "added_tokens.json":
-        if not all(type(i) is int and i >= 0 for i in data.values()):
-            raise ValueError(f"{file}: every added token must map to a non-negative integer id")
-        return data, None
+    return data
+
+
+def _read_added_tokens_json(file: Path) -> dict[str, int]:
+    """added_tokens.json: the text -> id of each token a fine-tune added (older transformers' format)."""
+    data = _read_json_object(file)
+    if not all(type(i) is int and i >= 0 for i in data.values()):
+        raise ValueError(f"{file}: every added token must map to a non-negative integer id")
+    return data
+
+
+def _read_tokenizer_config(file: Path) -> tuple[dict[str, int] | None, str | None]:
+    """tokenizer_config.json: the added tokens of its `added_tokens_decoder` (id -> entry) as text -> id,
+    None without one; and the BOS token's text when `add_bos_token` is set (`bos_token`: GPT-2's
+    <|endoftext|> when absent, none when null)."""
+    data = _read_json_object(file)
     decoder = data.get("added_tokens_decoder")
     bad_decoder = ValueError(f"{file}: added_tokens_decoder must map each id to an entry with a 'content' string")
     if decoder is not None and not isinstance(decoder, dict):
