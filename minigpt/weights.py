@@ -196,12 +196,9 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    layers: set[int] = set()  # the block indices the files hold
     for file in _weight_files(path):
         for name, tensor in _read_tensors(file):
             key = _model_key(name)
-            if key is not None and (block := _BLOCK.match(key)):
-                layers.add(int(block.group(1)))
             if key is None or (tied and key == "lm_head.weight"):
                 continue
             if key not in expected:
@@ -221,6 +218,7 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
             del tensor
     missing = sorted(set(expected) - set(state), key=_in_layer_order)
     n_layer = model.config.n_layer
+    layers = {int(block.group(1)) for key in (*state, *map(_model_key, unexpected)) if (block := _BLOCK.match(key))}
     # Whole blocks h.0.. of another count, and every other tensor there: say so rather than list keys
     if layers == set(range(len(layers))) and len(layers) not in (0, n_layer) and all(map(_BLOCK.match, missing)):
         found, default = len(layers), GPT2Config().n_layer
