@@ -3,6 +3,8 @@ engine uses the one `cpu_linear_for` picks for every linear."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -90,12 +92,12 @@ AVX512_VNNI = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx5
     ],
 )
 def test_native_bf16_needs_bf16_arithmetic_not_just_onednn(monkeypatch, onednn_bf16, flags, native):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
     monkeypatch.setattr(cpu_linear, "x86_flags", lambda: flags)
     native_bf16.cache_clear()
     try:
-        assert native_bf16() is native
-        assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native else HalfWeightLinear)
+        with mock.patch.object(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16):
+            assert native_bf16() is native
+            assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native else HalfWeightLinear)
     finally:
         native_bf16.cache_clear()
 

@@ -83,7 +83,7 @@ def test_pure_prefill_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cach
 
 
 @pytest.mark.slow
-def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint, monkeypatch):
+def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
     """Eager steps of a compiled engine (here: several prompts at once) run each block's halves around
     attention through one compiled graph per half, shared by every layer, compiled by the warmup."""
     with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
@@ -97,11 +97,11 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint, monkeypatch
         pool = engine.pool.kv.clone()
         args = (inputs.input_ids, inputs.positions)
         with torch.inference_mode():
-            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-            got = engine.model.forward_step(
-                *args, engine.pool.kv, inputs.meta, engine.backend, inputs.logits_indices, around_attention=compiled
-            )
-            monkeypatch.undo()
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = engine.model.forward_step(
+                    *args, engine.pool.kv, inputs.meta, engine.backend, inputs.logits_indices,
+                    around_attention=compiled,
+                )
             want = engine.model.forward_step(*args, pool, inputs.meta, engine.backend, inputs.logits_indices)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(engine.pool.kv, pool, rtol=1e-5, atol=1e-5)
@@ -128,10 +128,10 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint, monkeypatch):
         # nothing cached: the lone-prompt graph up to PREFILL_MAX_TOKENS (here 20), the paged step past it,
         # then batch 1's graph; all compiled by the warmup
         monkeypatch.setattr(minigpt.engine, "PREFILL_MAX_TOKENS", 20)
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        for fresh in random_prompts([13, 20, 21, 60], seed=99):
-            alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
-            assert alone.token_ids == hf_greedy(reference, fresh, 10)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for fresh in random_prompts([13, 20, 21, 60], seed=99):
+                alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+                assert alone.token_ids == hf_greedy(reference, fresh, 10)
         monkeypatch.undo()
         assert [len(args[0]) for args in prefills] == [13, 20]
         assert_all_free(llm)
@@ -152,11 +152,11 @@ def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_check
         backend, rows = llm.engine.decode_graph.decode_backend, []
         attend = backend._attend
         monkeypatch.setattr(backend, "_attend", lambda query, *args: rows.append(len(query)) or attend(query, *args))
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        for prompts, max_tokens in batches:
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
-            want = [hf_greedy(reference, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
-            assert [o.token_ids for o in outs] == want
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for prompts, max_tokens in batches:
+                outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+                want = [hf_greedy(reference, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+                assert [o.token_ids for o in outs] == want
         assert len(rows) % llm.engine.model.config.n_layer == 0 and 1 in rows and max(rows) > 1
 
 

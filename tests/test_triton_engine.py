@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -130,13 +131,12 @@ def test_step_reads_only_the_sampled_tokens_from_the_device(tiny_checkpoint, mon
     to_device = minigpt.engine.to_device
     monkeypatch.setattr(minigpt.engine, "to_device", lambda *a: host_copies.append(a) or to_device(*a))
     tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
     for new_prompt in (None, [7, 8, 9, 10]):  # decode only; then a prefill joins the decodes
         if new_prompt is not None:
             engine.add(engine.make_request(new_prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
         host_copies.clear()
         reads.clear()
-        with StepOps() as mode:
+        with StepOps() as mode, mock.patch.object(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t)):
             sampled = engine.step()
         syncs = {op: n for op, n in mode.ops.items() if op in SYNC_OPS or op == "boolean-mask index"}
         assert not syncs, syncs
