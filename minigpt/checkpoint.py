@@ -8,7 +8,9 @@ serves: config.json, model.safetensors (HF Conv1D layout, [in, out]), vocab.json
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -86,15 +88,28 @@ def write_checkpoint(
     layout: str = "hf",
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Save `model` as a Hugging Face GPT-2 checkpoint directory that transformers loads too."""
+    """Save `model` as a Hugging Face GPT-2 checkpoint directory that transformers loads too.
+
+    The files are written into a temporary directory beside `path` and moved into place only once all
+    are written: a write that fails leaves `path` as it was."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to(dtype) for k, v in hf_state_dict(model, layout).items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    vocab, merges = vocab_files
-    shutil.copyfile(vocab, path / "vocab.json")
-    shutil.copyfile(merges, path / "merges.txt")
-    return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        tensors = {k: v.to(dtype) for k, v in hf_state_dict(model, layout).items()}
+        save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        vocab, merges = vocab_files
+        shutil.copyfile(vocab, partial / "vocab.json")
+        shutil.copyfile(merges, partial / "merges.txt")
+        if not path.exists():
+            partial.rename(path)
+            return path
+        path.mkdir(exist_ok=True)  # a file at `path` fails here, before anything is moved
+        for file in partial.iterdir():
+            os.replace(file, path / file.name)
+        return path
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

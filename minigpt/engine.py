@@ -31,7 +31,7 @@ from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
 from minigpt.transfer import to_device
-from minigpt.weights import load_model, resolve_checkpoint, resolve_device, resolve_dtype
+from minigpt.weights import check_complete, load_model, resolve_checkpoint, resolve_device, resolve_dtype
 
 logger = logging.getLogger("minigpt")
 
@@ -135,6 +135,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)  # torch's setting: the whole process's
         dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
         path = resolve_checkpoint(model)
+        check_complete(path)
         self.tokenizer = Tokenizer.from_dir(path)
         self.model = load_model(path, dtype=dtype, device=device)
         if config.quantize is not None:

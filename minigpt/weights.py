@@ -113,6 +113,23 @@ def _download(repo_id: str) -> Path:
     return path
 
 
+def check_complete(path: Path) -> None:
+    """Name every part a checkpoint directory lacks to be run (config, weights, tokenizer) at once, and how
+    such a directory is usually made, instead of failing on the first file looked for."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not _weight_files_present(path):
+        missing.append(f"weights ({' or '.join(WEIGHT_FILES)})")
+    if not (path / "tokenizer.json").is_file() and not all((path / f).is_file() for f in ("vocab.json", "merges.txt")):
+        missing.append("tokenizer (tokenizer.json, or vocab.json and merges.txt)")
+    if missing:
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint: it has no {'; no '.join(missing)}. A write or download that "
+            "stopped part way leaves such a directory: write or download it again"
+        )
+
+
 def _weight_files_present(path: Path) -> bool:
     return any((path / name).exists() for name in WEIGHT_FILES)
 

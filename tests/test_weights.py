@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import minigpt.checkpoint
+from minigpt import LLM
 from minigpt.checkpoint import random_model, write_checkpoint
 from minigpt.config import ConfigError, GPT2Config
 from minigpt.model import GPT2
@@ -91,6 +93,39 @@ def test_make_checkpoint_output_loads_in_transformers(tmp_path, layout):
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)
     path = write_checkpoint(random_model(config, seed=1), tmp_path / layout, gpt2_vocab_files(), layout=layout)
     _logits_match(path)
+
+
+def test_a_failed_checkpoint_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """safetensors' writer failing (numpy not installed, a full disk) neither creates the directory nor
+    touches the files of one written before."""
+    model = random_model(GPT2Config(**TINY))
+
+    def fail(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'numpy'")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(minigpt.checkpoint, "save_file", fail)
+        with pytest.raises(ModuleNotFoundError):
+            write_checkpoint(model, tmp_path / "new", gpt2_vocab_files())
+        assert list(tmp_path.iterdir()) == []
+    written = write_checkpoint(model, tmp_path / "old", gpt2_vocab_files())
+    before = {f.name: f.read_bytes() for f in written.iterdir()}
+    monkeypatch.setattr(minigpt.checkpoint, "save_file", fail)
+    with pytest.raises(ModuleNotFoundError):
+        write_checkpoint(random_model(GPT2Config(**TINY), seed=5), written, gpt2_vocab_files())
+    assert [p.name for p in tmp_path.iterdir()] == ["old"]
+    assert {f.name: f.read_bytes() for f in written.iterdir()} == before
+
+
+def test_writing_over_a_checkpoint_replaces_its_files(tmp_path):
+    path = write_checkpoint(random_model(GPT2Config(**TINY)), tmp_path / "ckpt", gpt2_vocab_files())
+    (path / "notes.txt").write_text("kept")
+    write_checkpoint(random_model(GPT2Config(**TINY), seed=5), path, gpt2_vocab_files())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (path / "notes.txt").read_text() == "kept"
+    _logits_match(path)
+    reloaded = load_file(path / "model.safetensors")["transformer.wte.weight"]
+    assert torch.equal(reloaded, random_model(GPT2Config(**TINY), seed=5).wte.weight)
 
 
 def test_truncated_weights_file(tmp_path, tiny_checkpoint):
@@ -254,3 +289,20 @@ def test_hub_patterns_fetch_only_the_root_files():
     assert picked == {"config.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json",
                       "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
                       "pytorch_model.bin"}
+
+
+def test_an_incomplete_directory_names_all_it_lacks(tmp_path, tiny_checkpoint):
+    """A directory left by a write or download that stopped part way: every missing part, and the likely cause."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError) as empty:
+        LLM(str(tmp_path / "empty"))
+    assert str(empty.value) == (
+        f"{tmp_path / 'empty'} is not a complete checkpoint: it has no config.json; no weights "
+        "(model.safetensors.index.json or model.safetensors or pytorch_model.bin.index.json or pytorch_model.bin); "
+        "no tokenizer (tokenizer.json, or vocab.json and merges.txt). A write or download that stopped part way "
+        "leaves such a directory: write or download it again"
+    )
+    no_merges = _copy(tiny_checkpoint, tmp_path / "no-merges")
+    (no_merges / "merges.txt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"it has no tokenizer \(tokenizer.json, or vocab.json and merges"):
+        LLM(str(no_merges))
