@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from minigpt.quantize import QUANTIZATIONS
+from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
 
 
@@ -70,6 +71,10 @@ class EngineConfig:
                 ) from None
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
+        if self.compile:
+            check_torch_for("compile=True")
+        if self.quantize is not None:
+            check_torch_for(f"quantize={self.quantize!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
