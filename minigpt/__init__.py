@@ -1,7 +1,8 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
 
 from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
-from minigpt.engine import LLM, CompletionOutput, RequestOutput
+from minigpt.llm import LLM
+from minigpt.request import CompletionOutput, RequestOutput
 from minigpt.sampling import SamplingParams
 
 __all__ = [

@@ -24,9 +24,10 @@ from typing import Literal
 
 import torch
 
-from minigpt.engine import Engine, Prompt, Request, RequestOutput
+from minigpt.engine import Engine
 from minigpt.engine_config import EngineConfig
 from minigpt.metrics import EngineMetrics, MetricsCollector
+from minigpt.request import Prompt, Request, RequestOutput
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer import Tokenizer
 
@@ -63,7 +64,7 @@ class RequestHandle:
 
     def __init__(self, request: Request, cancel: Callable[[RequestHandle], None]) -> None:
         self.request_id = request.request_id
-        self._request = request
+        self.request = request  # the engine thread's: read it only from there
         self._cancel = cancel
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -84,7 +85,7 @@ class RequestHandle:
         """Why the request failed (finish_reason "error"); None otherwise or while it runs."""
         if self._output is None:
             return None
-        return next((seq.error for seq in self._request.seqs if seq.error), None)
+        return next((seq.error for seq in self.request.seqs if seq.error), None)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request at its next step; idempotent, any thread."""
@@ -156,10 +157,10 @@ class RequestHandle:
 
     # -- writing, from the engine thread ----------------------------------------------------------
 
-    def _collect(self) -> tuple[list[StreamDelta], RequestOutput | None]:
+    def collect(self) -> tuple[list[StreamDelta], RequestOutput | None]:
         """New tokens and text of each completion since the last call; the output once finished."""
         deltas = []
-        for i, seq in enumerate(self._request.seqs):
+        for i, seq in enumerate(self.request.seqs):
             if self._sent_final[i]:
                 continue
             text = seq.take_text_delta()
@@ -170,14 +171,10 @@ class RequestHandle:
             if text or tokens or seq.finished:
                 deltas.append(StreamDelta(i, text, tokens, seq.finished, seq.finish_reason, logprobs))
                 self._sent_final[i] = seq.finished
-        return deltas, self._request.output() if self._request.finished else None
+        return deltas, self.request.output() if self.request.finished else None
 
-    def _has_new_error(self) -> bool:
-        """A completion failed and its caller does not know yet."""
-        seqs = zip(self._request.seqs, self._sent_final, strict=True)
-        return any(seq.finish_reason == "error" and not sent for seq, sent in seqs)
-
-    def _publish(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
+    def publish(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
+        """Hand `collect()`'s result to the readers and wake them."""
         with self._lock:
             self._deltas.extend(deltas)
             self._output = output
@@ -281,7 +278,7 @@ class AsyncLLM:
                 self._active.update((h.request_id, h) for command, h in self._inbox if command == "add")
                 self._inbox.clear()
             for handle in self._active.values():
-                self.engine.abort(handle._request)
+                self.engine.abort(handle.request)
             self._deliver(list(self._active.values()))
             self.engine.close()
 
@@ -295,9 +292,9 @@ class AsyncLLM:
         for command, handle in commands:
             if command == "add":
                 self._active[handle.request_id] = handle
-                self.engine.add(handle._request)
+                self.engine.add(handle.request)
             elif handle.request_id in self._active:
-                self.engine.abort(handle._request)
+                self.engine.abort(handle.request)
                 changed.append(handle)
         if closing:
             return False
@@ -310,23 +307,17 @@ class AsyncLLM:
         """Run one step; returns the handles with news. A failing step fails its requests only."""
         try:
             sampled = self.engine.step()
-        except Exception as err:
+        except Exception:  # the step failed its own requests; the others go on
             logger.exception("engine step failed")
-            # engine.step fails its batch when the model raises; an error elsewhere fails what was running
-            if not any(h._has_new_error() for h in self._active.values()):
-                for seq in list(self.engine.scheduler.running):
-                    seq.fail(f"{type(err).__name__}: {err}")
-                    self.engine.scheduler.finish(seq)
             return list(self._active.values())
         return [self._active[request_id] for request_id in dict.fromkeys(seq.request_id for seq in sampled)]
 
     def _deliver(self, handles: list[RequestHandle]) -> None:
         """Update the metrics, then hand out deltas: a caller who sees its request done sees it counted."""
-        news = [(handle, *handle._collect()) for handle in dict.fromkeys(handles)]
+        news = [(handle, *handle.collect()) for handle in dict.fromkeys(handles)]
         finished = [output for _, _, output in news if output is not None]
         for output in finished:
             del self._active[output.request_id]
-        running = len({seq.request_id for seq in self.engine.scheduler.running})
-        self._metrics.update(running, self.engine.blocks.num_used, finished)
+        self._metrics.update(self.engine.num_running_requests(), self.engine.blocks.num_used, finished)
         for handle, deltas, output in news:
-            handle._publish(deltas, output)
+            handle.publish(deltas, output)

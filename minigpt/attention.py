@@ -1,23 +1,25 @@
-"""Attention over the paged KV pool: what one engine step needs besides the weights.
+"""Attention, as the one layer loop of `GPT2.run` calls it: `attention(layer, q, k, v) -> y`, with q, k, v
+(N, H, D) for the N tokens of the step and y (N, H * D).
 
-A step is a flat batch of tokens: first the prompt chunks being prefilled (one segment per
-sequence), then one token per decoding sequence. `StepMetadata` says where each token's K/V
-goes (slot mapping) and which pages each query reads. Prefill runs through SDPA with a mask
-built from positions (never `is_causal` when keys outnumber queries: SDPA aligns that mask
-top-left, which is wrong after a cached prefix). Decode runs through a backend: the torch
-reference or the Triton kernel.
+One class for each way a forward attends:
+- `CausalAttention`: a (B, T) batch among its own tokens, no cache (the plain `model(input_ids)`).
+- `PagedAttention`: an engine step over the paged pool: stores the step's K/V, then each prompt chunk
+  through SDPA and the decodes through the backend chosen at start (attention_backends.py).
+- `PoolAttention` and `PromptAttention`: the pure forms the compiled steps run (compiled.py). They
+  never write the pool: the loop returns the step's new K/V, which the caller stores.
+
+A step is a flat batch of tokens: first the prompt chunks being prefilled (one segment per sequence),
+then one token per decoding sequence. `StepMetadata` says where each token's K/V goes and which pages
+each query reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from minigpt.kernels import reference
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -32,7 +34,7 @@ class PrefillSegment:
 
 @dataclass
 class StepMetadata:
-    """Everything attention needs for one step, built once per step by the engine."""
+    """Everything attention needs for one step, built once per step by the model runner."""
 
     slot_mapping: torch.Tensor  # [N] int64: where each token's K/V is written
     prefills: list[PrefillSegment]
@@ -41,100 +43,77 @@ class StepMetadata:
     decode_context_lens: torch.Tensor | None  # [B_decode] int32
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """The engine's KV write: like `reference.store_kv`, minus its support for padding rows
-    (slot -1), which the engine never emits and whose boolean masking copies every row."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+class CausalAttention:
+    """A (B, T) batch attending among its own tokens; `mask` (B, 1, T, T) bool, or None for plain causal."""
 
+    def __init__(self, batch: int, mask: torch.Tensor | None, scales: Sequence[float], upcast: bool) -> None:
+        self.batch, self.mask, self.scales, self.upcast = batch, mask, scales, upcast
 
-class TorchBackend:
-    """Decode attention through the PyTorch reference: runs anywhere, never imports Triton.
-
-    Each layer's pages are gathered into one buffer kept for the engine's life (grown to the largest
-    step so far: two copies of one layer's pages for every decoding sequence), and converted into a
-    second one when the pool's dtype is not the query's (`kv_cache_dtype`). A new tensor each time
-    is worse than it looks: above glibc's mmap threshold (32 MB, e.g. gpt2 at batch 100 and 112
-    tokens) every allocation is mapped afresh and page-faulted as it is written, 19 vs 3 ms to gather
-    34 MB on 2 cores, which doubled the eager step as contexts grew.
-    """
-
-    name = "torch"
-    store_kv = staticmethod(store_kv)
-
-    def __init__(self) -> None:
-        self.workspace = torch.empty(0)
-        self.converted = torch.empty(0)
-
-    def decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        needed = 2 * block_tables.numel() * k_cache[0].numel()
-        self.workspace = _at_least(self.workspace, needed, k_cache)
-        converted = None
-        if query.dtype != k_cache.dtype:
-            self.converted = converted = _at_least(self.converted, needed, query)
-        return reference.paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale, self.workspace, converted
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        tokens, heads, head_dim = q.shape
+        q, k, v = (t.view(self.batch, -1, heads, head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        dtype = q.dtype
+        if self.upcast:
+            q, k, v = q.float(), k.float(), v.float()
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.mask is None, scale=self.scales[layer]
         )
-
-    def close(self) -> None:
-        """Free the gather buffers (the engine is closing)."""
-        self.workspace = self.converted = torch.empty(0)
+        return y.to(dtype).transpose(1, 2).reshape(tokens, -1)
 
 
-def _at_least(buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """`buffer` if it has `like`'s dtype and device and room for `numel` elements, else a new one that has."""
-    if buffer.dtype == like.dtype and buffer.device == like.device and buffer.numel() >= numel:
-        return buffer
-    return torch.empty(numel, dtype=like.dtype, device=like.device)
+class PagedAttention:
+    """One engine step's attention over the pool: the step's K/V stored at their slots, each prompt chunk
+    through SDPA, the decodes through `backend`. kv_pool: (n_layer, 2, blocks, block_size, H, D)."""
+
+    def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
+                 upcast: bool) -> None:
+        self.kv_pool, self.meta, self.backend, self.scales, self.upcast = kv_pool, meta, backend, scales, upcast
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, scale = self.meta, self.scales[layer]
+        k_cache, v_cache = self.kv_pool[layer]
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = []
+        for seg in meta.prefills:
+            rows = slice(seg.start, seg.start + seg.length)
+            parts.append(prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale, self.upcast))
+        if meta.decode_block_tables is not None:
+            # the decode backends accumulate in fp32 whatever the dtype: upcasting is built in
+            parts.append(self.backend.decode(
+                q[meta.num_prefill_tokens :], k_cache, v_cache, meta.decode_block_tables,
+                meta.decode_context_lens, scale,
+            ))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
-class TritonBackend:
-    """Decode attention and KV stores through the Triton kernels: compiled on CUDA; on other devices
-    only under Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), for tests."""
+class PoolAttention:
+    """One new token per sequence over its cached pages and itself, reading the pool, never writing it.
 
-    name = "triton"
+    kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W]; context_lens: [B] tokens
+    including this step's, whose own K/V is not in the pages yet; scales: [n_layer] fp32 tensor."""
 
-    def __init__(self) -> None:
-        from triton.runtime import JITFunction
+    def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        self.kv_pool, self.scales = kv_pool, scales
+        self.pages = block_tables.long()
+        self.cached = in_context(block_tables, context_lens - 1, kv_pool.shape[3])
 
-        from minigpt.kernels import kv_store, paged_attention
-
-        self.store_kv = kv_store.store_kv
-        self.decode = paged_attention.paged_decode_attention
-        # triton.jit reads TRITON_INTERPRET when it decorates: the kernels' type says which way they went.
-        self.interpreted = not isinstance(paged_attention._paged_decode_kernel, JITFunction)
-
-    def close(self) -> None:
-        """Nothing to free: the kernels keep no buffers."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dtype, pool = q.dtype, self.kv_pool[layer]
+        q, k, v = q.float() * self.scales[layer], k.float(), v.float()
+        y = attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
+        return y.to(dtype).reshape(q.shape[0], -1)
 
 
-def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:
-    """`auto` takes Triton on CUDA when it imports, the torch reference elsewhere."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchBackend()
-    try:
-        backend = TritonBackend()
-    except ImportError as err:
-        if name == "auto":
-            return TorchBackend()
-        raise ValueError(f"attention_backend='triton' is unavailable: {err} (pip install 'minigpt[triton]')") from None
-    if device.type != "cuda" and not backend.interpreted:
-        raise ValueError(
-            f"attention_backend='triton' on device {device.type!r} runs only under Triton's interpreter: "
-            "set TRITON_INTERPRET=1 before triton is first imported, or use attention_backend='torch'"
-        )
-    return backend
+class PromptAttention:
+    """One sequence's whole prompt, nothing cached: plain causal attention among its own tokens."""
+
+    def __init__(self, scales: Sequence[float], upcast: bool) -> None:
+        self.scales, self.upcast = scales, upcast
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return token_attention(q, k, v, self.scales[layer], self.upcast).to(q.dtype).reshape(q.shape[0], -1)
 
 
 def prefill_attention(
@@ -149,9 +128,9 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of one prompt chunk. q/k/v: [T, H, D] for the chunk -> [T, H, D].
 
-    Without a cached prefix the chunk attends to itself (plain causal). With one (chunked
-    prefill, prefix-cache hit) keys come from the pages, converted to the query's dtype, and the
-    mask from positions.
+    Without a cached prefix the chunk attends to itself (plain causal). With one (chunked prefill, a
+    prefix-cache hit) keys come from the pages, converted to the query's dtype, and the mask from
+    positions: SDPA's `is_causal` aligns its mask top-left, wrong when keys outnumber queries.
     `upcast` (GPT-2's reorder_and_upcast_attn) computes scores and softmax in fp32.
     """
     length, context_len = segment.length, segment.context_len
@@ -176,10 +155,8 @@ def token_attention(
     """SDPA over flat tokens: q [T, H, D] against k, v [S, H, D] -> [T, H, D]. Plain causal when
     `mask` is None, else the boolean (T, S) mask; `upcast` computes in fp32.
 
-    Eager, the heads go in as a batch of one, [1, H, T, D], because torch's CPU flash kernel takes
-    only 4-D inputs; 3-D ones take its math path, 2.5-3.5x slower eagerly (8-200 tokens, 12 heads,
-    2 cores). Compiled, they stay 3-D: inductor fuses the math path, where the flash kernel stays a
-    call of its own (a lone 8-token prompt's first token 0.2 ms later with it)."""
+    Eager, the heads go in as a batch of one, [1, H, T, D]: torch's CPU flash kernel takes only 4-D
+    inputs. Compiled, they stay 3-D: inductor fuses the math path, where the flash kernel stays a call."""
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
@@ -187,3 +164,58 @@ def token_attention(
         q, k, v = q[None], k[None], v[None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.flatten(0, -3).transpose(0, 1)  # [1, H, T, D] or [H, T, D] -> [T, H, D]
+
+
+def in_context(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Which slots of each sequence's pages (B, W, block_size) hold one of its first `lengths` tokens."""
+    width = block_tables.shape[1]
+    slots = torch.arange(width * block_size, device=block_tables.device).view(1, width, block_size)
+    return slots < lengths[:, None, None]
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cached: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One fp32 query per sequence (B, H, D), already scaled, over the keys and values of its pages
+    (B, W, block_size, H, D) where `cached` (B, W, block_size) holds, and over its own key and value
+    k, v (B, H, D) when they are not in the pages: one softmax over both -> (B, H, D).
+
+    Products and sums, not SDPA: the form inductor fuses with the page reads. Each page is summed
+    before the pages are: over all W * block_size tokens at once, inductor's innermost loop would look
+    up the page for every few floats."""
+    scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
+    top = scores.amax((1, 2))
+    if k is not None:
+        own = (q * k).sum(-1)  # (B, H): the query against its own key
+        top = torch.maximum(top, own)
+    weights = torch.exp(scores - top[:, None, None])
+    total = weights.sum((1, 2))
+    by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
+    if k is None:
+        return by_page.sum(1) / total[..., None]
+    own_weight = torch.exp(own - top)
+    return (by_page.sum(1) + own_weight[..., None] * v) / (total + own_weight)[..., None]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    first_pages: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention with this step's K/V already stored, in the form inductor fuses with the page
+    reads: one query per sequence (B, H, D) over the first `context_lens` tokens of its pages -> (B, H, D)
+    in the query's dtype. pages: the whole pool as pages, (n_layer * 2 * blocks, block_size, H, D);
+    first_pages: [2] int64, where this layer's key and value pages start in it; scale: a 0-d tensor."""
+    tables = block_tables.long()
+    keys = pages[tables + first_pages[0]].float()
+    values = pages[tables + first_pages[1]].float()
+    cached = in_context(block_tables, context_lens, pages.shape[1])
+    return attend(query.float() * scale, keys, values, cached).to(query.dtype)

@@ -16,9 +16,10 @@ import logging
 import re
 import sys
 
-from minigpt.engine import LLM, RequestOutput
 from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args_from, error_line
+from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
+from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams
 
 # The SamplingParams field each sampling flag sets (by the flag's dest): builds the params and names

@@ -15,7 +15,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from minigpt.engine import RequestOutput
+from minigpt.request import RequestOutput
 
 # Seconds. CPU steps of gpt2-sized models take tens to hundreds of milliseconds; GPUs a few.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)

@@ -2,11 +2,9 @@
 
 Parameter names line up with Hugging Face's (`wte`, `h.0.attn.c_attn`, ...) so loading is a
 loop. Linear weights are stored [out, in] (HF's Conv1D stores [in, out]; the loader transposes
-once). Two forwards share every layer:
-
-- `model(input_ids, attention_mask=None)`: the plain causal forward of the public contract;
-  left-padded batches get positions from the mask, as `generate` does.
-- `model.forward_step(...)`: the engine's flat batch over the paged KV pool.
+once). `GPT2.run` is the one layer loop every forward goes through: the plain causal
+`model(input_ids)`, the engine's paged step and the compiled steps differ only in the attention
+they pass it (minigpt/attention.py).
 """
 
 from __future__ import annotations
@@ -14,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minigpt.attention import StepMetadata, TorchBackend, TritonBackend, prefill_attention
+from minigpt.attention import CausalAttention
 from minigpt.config import GPT2Config
 
 
@@ -62,6 +61,12 @@ ACTIVATIONS = {
 }
 
 
+class Attention(Protocol):
+    """How a forward's tokens attend: q, k, v (N, H, D) of `layer` -> (N, H * D) (minigpt/attention.py)."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config, layer_idx: int) -> None:
         super().__init__()
@@ -71,48 +76,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Dense path. x: (B, T, C); mask: (B, 1, T, T) bool or None for plain causal."""
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
-        dtype = q.dtype
-        if self.upcast:
-            q, k, v = q.float(), k.float(), v.float()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
-        y = y.to(dtype).transpose(1, 2).reshape(B, T, C)
-        return self.c_proj(y)
-
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, C) flat tokens -> q, k, v, each (N, nh, hs)."""
         return self.c_attn(x).view(x.shape[0], 3, self.n_head, self.head_dim).unbind(1)
-
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: torch.Tensor,
-        meta: StepMetadata,
-        backend: TorchBackend | TritonBackend,
-    ) -> torch.Tensor:
-        """Paged path: store this step's k/v, attend. q/k/v: (N, nh, hs) flat tokens; kv: this layer's
-        pages (2, blocks, block_size, nh, hs) -> (N, C) in q's dtype, before c_proj."""
-        k_cache, v_cache = kv[0], kv[1]
-        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        parts = []
-        for seg in meta.prefills:
-            rows = slice(seg.start, seg.start + seg.length)
-            parts.append(prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, self.scale, self.upcast))
-        if meta.decode_block_tables is not None:
-            # The decode backends accumulate in fp32 whatever the dtype: upcasting is built in.
-            parts.append(
-                backend.decode(
-                    q[meta.num_prefill_tokens :], k_cache, v_cache, meta.decode_block_tables,
-                    meta.decode_context_lens, self.scale,
-                )
-            )
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -137,10 +103,6 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x).to(self.dtype), mask)
-        return self.add_mlp(x)
 
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The block's second half: the residual stream plus the MLP of its normalized self."""
@@ -216,40 +178,44 @@ class GPT2(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         self._check_ranges(input_ids, position_ids)
-        x = self.embed(input_ids, position_ids)
-        for block in self.h:
-            x = block(x, mask)
-        return self.head(x)
+        attention = CausalAttention(B, mask, self.attention_scales(), self.config.reorder_and_upcast_attn)
+        return self.run(input_ids.flatten(), position_ids.flatten(), attention).view(B, T, -1)
 
-    def forward_step(
+    def run(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_pool: torch.Tensor,
-        meta: StepMetadata,
-        backend: TorchBackend | TritonBackend,
-        logits_indices: torch.Tensor,
-        around_attention: tuple[Callable, Callable] = (attention_inputs, attention_outputs),
-    ) -> torch.Tensor:
-        """One engine step over a flat batch: (N,) ids and positions -> logits of the tokens
-        at `logits_indices` (the last one of each sequence that samples). kv_pool: the pool's
-        (n_layer, 2, blocks, block_size, nh, hs) tensor, written in place. `around_attention`: the
-        two halves of a block around its paged attention (compiled ones with `compile=True`).
+        attention: Attention,
+        logits_rows: torch.Tensor | slice | None = None,
+        halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs),
+        return_kv: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only.
 
-        Once the last layer has stored its K/V, only the rows whose logits are wanted go on through
-        its projection and MLP: for a prompt, one row instead of all of them."""
-        before, after = around_attention
-        x = self.embed(input_ids, positions)
+        `attention(layer, q, k, v)` is how the tokens attend (minigpt/attention.py). Once the last
+        layer has attended, only `logits_rows` go on through its projection and MLP: for a prompt, one
+        row instead of all of them. `halves`: a block's two halves around its attention (compiled ones
+        in a compiled engine's eager steps). `return_kv`: also return every layer's K/V of the N tokens,
+        (n_layer, 2, N, H, D), for the pure steps that leave the pool to their caller."""
+        before, after = halves
+        x = self.embed(input_ids, positions)  # (N, C) fp32
+        new_kv = []
         last = len(self.h) - 1
         for layer, block in enumerate(self.h):
-            q, k, v = before(block, x)
-            y = block.attn.paged_attention(q, k, v, kv_pool[layer], meta, backend)
-            if layer == last:
-                x, y = x[logits_indices], y[logits_indices]
+            q, k, v = before(block, x)  # (N, H, D) each
+            if return_kv:
+                new_kv.append(torch.stack([k, v]))
+            y = attention(layer, q, k, v)  # (N, C)
+            if layer == last and logits_rows is not None:
+                x, y = x[logits_rows], y[logits_rows]
                 if not len(x):  # a prompt chunk that samples nothing: no logits to compute
-                    return self.head(x)
+                    break
             x = after(block, x, y)
-        return self.head(x)
+        logits = self.head(x)
+        return (logits, torch.stack(new_kv)) if return_kv else logits
+
+    def attention_scales(self) -> list[float]:
+        return [block.attn.scale for block in self.h]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: the fp32 residual stream every forward starts from."""

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from minigpt import LLM, AsyncLLM, QueueFullError, SamplingParams, StreamDelta
-from minigpt.engine import RequestOutput
+from minigpt.request import RequestOutput
 
 TEXTS = ["Hello, world", "日本語のテキスト 🎉", "🙂🙃 emoji 🚀", "中文提示：你好", "The quick brown fox", "x"]
 
@@ -61,7 +61,7 @@ class Gate:
     def __init__(self, llm: AsyncLLM, monkeypatch, pause_at: int) -> None:
         self.entered, self._open = threading.Event(), threading.Event()
         self._calls = 0
-        forward = llm.engine.model.forward_step
+        forward = llm.engine.runner.run
 
         def gated(*args, **kwargs):
             self._calls += 1
@@ -70,7 +70,7 @@ class Gate:
                 self._open.wait()
             return forward(*args, **kwargs)
 
-        monkeypatch.setattr(llm.engine.model, "forward_step", gated)
+        monkeypatch.setattr(llm.engine.runner, "run", gated)
 
     def release(self) -> None:
         self._open.set()
@@ -273,7 +273,7 @@ def test_close_ends_requests_in_flight_and_stops_the_thread(async_llm, monkeypat
 @pytest.mark.parametrize("where", ["model", "sampler"])
 def test_failing_step_fails_only_its_request(async_llm, alone, monkeypatch, where):
     llm = async_llm(max_num_seqs=1)  # the first step holds the first request alone
-    target, name = (llm.engine.model, "forward_step") if where == "model" else (llm.engine, "sampler")
+    target, name = (llm.engine.runner, "run") if where == "model" else (llm.engine, "sampler")
     original, calls = getattr(target, name), []
 
     def fail_once(*args, **kwargs):

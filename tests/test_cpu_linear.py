@@ -112,8 +112,8 @@ def test_x86_flags_reads_this_cpu():
 def test_engine_uses_the_chosen_linear_everywhere(tiny_checkpoint, dtype):
     kind = cpu_linear_for(getattr(torch, dtype), CPU)
     with LLM(str(tiny_checkpoint), dtype=dtype) as llm:
-        modules = list(llm.engine.model.modules())
+        modules = list(llm.engine.runner.model.modules())
         assert any(isinstance(m, torch.nn.Linear) for m in modules) == (kind is None)
         if kind is not None:
-            assert sum(isinstance(m, kind) for m in modules) == 4 * len(llm.engine.model.h) + 1
+            assert sum(isinstance(m, kind) for m in modules) == 4 * len(llm.engine.runner.model.h) + 1
         assert len(llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4

@@ -9,10 +9,12 @@ import weakref
 import pytest
 import torch
 
-import minigpt.engine
+import minigpt.compiled
 from minigpt import LLM, SamplingParams
-from minigpt.decode_graph import DecodeGraph, attention_scales, decode_step, prefill_step, weights_fingerprint
-from minigpt.model import attention_inputs, attention_outputs
+from minigpt.attention import PagedAttention
+from minigpt.attention_backends import TorchBackend
+from minigpt.compiled import CompiledSteps, attention_scales, decode_step, prefill_step, weights_fingerprint
+from minigpt.model import GPT2, attention_inputs, attention_outputs
 from minigpt.quantize import quantize
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -20,6 +22,13 @@ from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 # Around the block boundaries of block_size=8, and long enough to grow several pages.
 LENGTHS = [1, 7, 8, 9, 30, 64]
 MAX_TOKENS = [12, 9, 20, 2, 16, 30]
+
+
+def eager_step(runner, inputs, kv=None, halves=(attention_inputs, attention_outputs)):
+    """The model runner's eager paged step on the torch reference backend, into `kv` (default: the pool)."""
+    kv = runner.pool.kv if kv is None else kv
+    attention = PagedAttention(kv, inputs.meta, TorchBackend(), runner.scales, runner.upcast)
+    return runner.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices, halves)
 
 
 @pytest.mark.parametrize(
@@ -37,22 +46,20 @@ def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         engine.step()  # prefills every prompt and samples its first token
         for _ in range(2):  # then decode-only steps: compare them before the eager step runs
-            inputs = engine._prepare(engine.scheduler.schedule().chunks)
+            inputs = engine.runner.prepare(engine.scheduler.schedule().chunks)
             meta = inputs.meta
             assert not meta.prefills
             with torch.inference_mode():
                 logits, new_kv = decode_step(
-                    engine.model, inputs.input_ids, inputs.positions, engine.pool.kv,
-                    meta.decode_block_tables, meta.decode_context_lens, attention_scales(engine.model),
+                    engine.runner.model, inputs.input_ids, inputs.positions, engine.runner.pool.kv,
+                    meta.decode_block_tables, meta.decode_context_lens, attention_scales(engine.runner.model),
                 )
-                want = engine.model.forward_step(
-                    inputs.input_ids, inputs.positions, engine.pool.kv, meta, engine.backend, inputs.logits_indices
-                )
+                want = eager_step(engine.runner, inputs)
             exact = dtype == "float32" and kv_cache_dtype is None
             # half precision: ~2 bf16 ulps at this model's largest logits (|logit| < 4, ulp 2^-6)
             tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=2e-2, atol=3e-2)
             torch.testing.assert_close(logits, want, **tol)
-            slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]  # what the eager step wrote
+            slots = engine.runner.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]  # what the eager step wrote
             assert new_kv.dtype == slots.dtype  # ready to store: the cast is fused into the step
             torch.testing.assert_close(new_kv, slots, **tol)
             for seq, token in zip(inputs.sample_seqs, want.argmax(-1).tolist(), strict=True):
@@ -66,18 +73,17 @@ def test_pure_prefill_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cach
     with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=8) as llm:
         engine = llm.engine
         engine.add(engine.make_request(random_prompts([length])[0], SamplingParams(max_tokens=2)))
-        inputs = engine._prepare(engine.scheduler.schedule().chunks)
-        assert engine._is_lone_whole_prompt(inputs)
+        inputs = engine.runner.prepare(engine.scheduler.schedule().chunks)
+        assert CompiledSteps.covers(inputs)
         meta = inputs.meta
+        runner = engine.runner
         with torch.inference_mode():
-            logits, new_kv = prefill_step(engine.model, inputs.input_ids, inputs.positions, engine.pool.kv.dtype)
-            want = engine.model.forward_step(
-                inputs.input_ids, inputs.positions, engine.pool.kv, meta, engine.backend, inputs.logits_indices
-            )
+            logits, new_kv = prefill_step(runner.model, inputs.input_ids, inputs.positions, runner.pool.kv.dtype)
+            want = eager_step(runner, inputs)
         exact = dtype == "float32" and kv_cache_dtype is None
         tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(logits, want, **tol)
-        slots = engine.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]
+        slots = runner.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]
         assert new_kv.dtype == slots.dtype  # ready to store: the cast is fused into the step
         torch.testing.assert_close(new_kv, slots, **tol)
 
@@ -90,27 +96,24 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
         engine = llm.engine
         for prompt in random_prompts(LENGTHS):
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
-        inputs = engine._prepare(engine.scheduler.schedule().chunks)
+        runner = engine.runner
+        inputs = runner.prepare(engine.scheduler.schedule().chunks)
         assert len(inputs.meta.prefills) == len(LENGTHS)
-        compiled = engine.decode_graph.around_attention
+        compiled = runner.compiled.halves
         assert compiled != (attention_inputs, attention_outputs)
-        pool = engine.pool.kv.clone()
-        args = (inputs.input_ids, inputs.positions)
+        pool = runner.pool.kv.clone()
         with torch.inference_mode():
             with torch._dynamo.config.patch(error_on_recompile=True):
-                got = engine.model.forward_step(
-                    *args, engine.pool.kv, inputs.meta, engine.backend, inputs.logits_indices,
-                    around_attention=compiled,
-                )
-            want = engine.model.forward_step(*args, pool, inputs.meta, engine.backend, inputs.logits_indices)
+                got = eager_step(runner, inputs, halves=compiled)
+            want = eager_step(runner, inputs, kv=pool)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(engine.pool.kv, pool, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(runner.pool.kv, pool, rtol=1e-5, atol=1e-5)
         # compiled unfrozen also where the steps freeze: frozen, one layer's weights would be constants
         # of the graph every layer runs, and the next layer would get the first one's results
-        before, _ = DecodeGraph(engine.model, engine.pool, {"freezing": True}).around_attention
-        x = torch.randn(5, engine.model.config.n_embd)
+        before, _ = CompiledSteps(runner.model, runner.pool, {"freezing": True}).halves
+        x = torch.randn(5, runner.model.config.n_embd)
         with torch.inference_mode():
-            for block in engine.model.h[:2]:
+            for block in runner.model.h[:2]:
                 torch.testing.assert_close(before(block, x), attention_inputs(block, x), rtol=1e-5, atol=1e-5)
 
 
@@ -122,12 +125,12 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint, monkeypatch):
     with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
         outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
         assert [o.token_ids for o in outs] == want
-        graph, prefills = llm.engine.decode_graph, []
+        graph, prefills = llm.engine.runner.compiled, []
         compiled_prefill = graph.prefill
         graph.prefill = lambda *args: prefills.append(args) or compiled_prefill(*args)
         # nothing cached: the lone-prompt graph up to PREFILL_MAX_TOKENS (here 20), the paged step past it,
         # then batch 1's graph; all compiled by the warmup
-        monkeypatch.setattr(minigpt.engine, "PREFILL_MAX_TOKENS", 20)
+        monkeypatch.setattr(minigpt.compiled, "PREFILL_MAX_TOKENS", 20)
         with torch._dynamo.config.patch(error_on_recompile=True):
             for fresh in random_prompts([13, 20, 21, 60], seed=99):
                 alone = llm.generate([fresh], SamplingParams(max_tokens=10, ignore_eos=True))[0]
@@ -135,7 +138,7 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint, monkeypatch):
         monkeypatch.undo()
         assert [len(args[0]) for args in prefills] == [13, 20]
         assert_all_free(llm)
-        pool = weakref.ref(llm.engine.pool.kv)
+        pool = weakref.ref(llm.engine.runner.pool.kv)
     gc.collect()
     assert pool() is None  # close() freed the pool: the compiled step holds no reference to it
 
@@ -149,7 +152,7 @@ def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_check
     # with [5, 64], one sequence decodes next to the other's chunks
     batches = [(random_prompts(LENGTHS, seed=7), MAX_TOKENS), (random_prompts([5, 64], seed=8), [12, 4])]
     with LLM(str(tiny_checkpoint), compile=True, block_size=8, max_num_batched_tokens=24) as llm:
-        backend, rows = llm.engine.decode_graph.decode_backend, []
+        backend, rows = llm.engine.runner.compiled.decode_backend, []
         attend = backend._attend
         monkeypatch.setattr(backend, "_attend", lambda query, *args: rows.append(len(query)) or attend(query, *args))
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -157,7 +160,7 @@ def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_check
                 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
                 want = [hf_greedy(reference, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
                 assert [o.token_ids for o in outs] == want
-        assert len(rows) % llm.engine.model.config.n_layer == 0 and 1 in rows and max(rows) > 1
+        assert len(rows) % llm.engine.runner.model.config.n_layer == 0 and 1 in rows and max(rows) > 1
 
 
 @pytest.mark.slow
@@ -213,14 +216,14 @@ def test_compiled_engines_keep_their_own_models(tiny_checkpoint, checkpoint_fact
 def test_weights_fingerprint_follows_every_byte_of_the_weights(tiny_checkpoint):
     """The tag on the disk cache's key for frozen graphs: the same for the same weights (a second start
     hits the cache), different when any parameter or buffer differs anywhere (a fine-tune misses it)."""
-    with LLM(str(tiny_checkpoint)) as a, LLM(str(tiny_checkpoint)) as b:
-        first, second = a.engine.model, b.engine.model
-        assert weights_fingerprint(first) == weights_fingerprint(second)
-        with torch.no_grad():
-            second.h[1].mlp.c_proj.weight[-1, -1] += 1e-3
-        assert weights_fingerprint(first) != weights_fingerprint(second)
-        quantize(first, "int8")
-        tag = weights_fingerprint(first)
-        with torch.no_grad():
-            first.h[0].attn.c_attn.scales[3] *= 2  # a buffer of the quantized model
-        assert weights_fingerprint(first) != tag
+    # the models as loaded, with nn.Linear weights (an engine may swap in packed linears on some CPUs)
+    first, second = GPT2.from_pretrained(tiny_checkpoint), GPT2.from_pretrained(tiny_checkpoint)
+    assert weights_fingerprint(first) == weights_fingerprint(second)
+    with torch.no_grad():
+        second.h[1].mlp.c_proj.weight[-1, -1] += 1e-3
+    assert weights_fingerprint(first) != weights_fingerprint(second)
+    quantize(first, "int8")
+    tag = weights_fingerprint(first)
+    with torch.no_grad():
+        first.h[0].attn.c_attn.scales[3] *= 2  # a buffer of the quantized model
+    assert weights_fingerprint(first) != tag

@@ -127,11 +127,11 @@ def test_outputs_in_input_order_with_timings(tiny_checkpoint):
 
 def test_pool_is_allocated_once(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), kv_cache_tokens=512) as llm:
-        pool = llm.engine.pool.kv
+        pool = llm.engine.runner.pool.kv
         ptr, shape = pool.data_ptr(), pool.shape
         for seed in range(3):
             llm.generate(random_prompts([5, 40, 70], seed=seed), SamplingParams(max_tokens=20, ignore_eos=True))
-        assert llm.engine.pool.kv.data_ptr() == ptr and llm.engine.pool.kv.shape == shape
+        assert llm.engine.runner.pool.kv.data_ptr() == ptr and llm.engine.runner.pool.kv.shape == shape
         assert llm.kv_cache_info["num_tokens"] == 512
         assert_all_free(llm)
 
@@ -164,19 +164,19 @@ def test_pool_too_small_for_one_request(tiny_checkpoint):
 def test_half_kv_pool_holds_twice_the_tokens(tiny_checkpoint, dtype):
     memory = 4 * 2**20
     with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_memory=memory) as same:
-        assert same.engine.pool.kv.dtype == getattr(torch, dtype)
-        same_tokens = same.engine.pool.num_tokens
+        assert same.engine.runner.pool.kv.dtype == getattr(torch, dtype)
+        same_tokens = same.engine.runner.pool.num_tokens
     for kv_cache_dtype in ("float16", "bfloat16"):
         with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory) as half:
-            assert half.engine.pool.kv.dtype == getattr(torch, kv_cache_dtype)
-            assert half.engine.model.wte.weight.dtype == getattr(torch, dtype)
-            assert half.engine.pool.num_tokens == (same_tokens if dtype != "float32" else 2 * same_tokens)
+            assert half.engine.runner.pool.kv.dtype == getattr(torch, kv_cache_dtype)
+            assert half.engine.runner.model.wte.weight.dtype == getattr(torch, dtype)
+            assert half.engine.runner.pool.num_tokens == (same_tokens if dtype != "float32" else 2 * same_tokens)
             assert half.generate(["a half pool"], SamplingParams(max_tokens=3))[0].token_ids
 
 
 def test_kv_cache_dtype_takes_what_dtype_takes(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), kv_cache_dtype=torch.float16) as llm:
-        assert llm.engine.pool.kv.dtype == torch.float16
+        assert llm.engine.runner.pool.kv.dtype == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be None, float32, float16 or bfloat16, got 'int8'"):
         LLM(str(tiny_checkpoint), kv_cache_dtype="int8")
 
@@ -373,7 +373,7 @@ def test_last_layer_goes_on_with_the_wanted_rows_only(tiny_checkpoint, reference
     scoring = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24, enable_prefix_caching=False) as llm:
         rows: list[int] = []
-        hook = llm.engine.model.h[-1].mlp.register_forward_hook(lambda mod, args, out: rows.append(len(args[0])))
+        hook = llm.engine.runner.model.h[-1].mlp.register_forward_hook(lambda mod, args, out: rows.append(len(args[0])))
         outs = llm.generate([short, chunked, scored], [greedy, greedy, scoring])
         hook.remove()
     # step 1: all of `short` and 19 tokens of `chunked`; step 2: the rest of `chunked`, all of `scored`

@@ -17,7 +17,8 @@ import pytest
 import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
 
-from minigpt.attention import TorchBackend, token_attention
+from minigpt.attention import token_attention
+from minigpt.attention_backends import TorchBackend
 from minigpt.kernels import reference
 
 HERE = Path(__file__).parent

@@ -171,16 +171,16 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
-        linears = sum(isinstance(m, W8A8Linear) for m in llm.engine.model.modules())
+        linears = sum(isinstance(m, W8A8Linear) for m in llm.engine.runner.model.modules())
     matched, modules = _pattern_matches(), _inductor_modules()
     with LLM(str(tiny_checkpoint), quantize="w8a8", compile=True) as llm:
         frozen = vnni_gemm(torch.device("cpu"))
         assert _pattern_matches() - matched == (3 * linears if frozen else 0)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
-        weight = weakref.ref(llm.engine.model.h[0].mlp.c_fc.weight)
+        weight = weakref.ref(llm.engine.runner.model.h[0].mlp.c_fc.weight)
         constants = _graph_constants(modules)
-        model = llm.engine.model
+        model = llm.engine.runner.model
         own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
     del model
     gc.collect()
@@ -215,7 +215,7 @@ def test_compiled_int8_engines_of_one_shape_each_run_their_own_weights(tmp_path)
         path = write_hf_checkpoint(tmp_path / f"seed{seed}", seed=seed)
         with LLM(str(path), quantize="int8", compile=True) as llm:
             outs = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
-            _assert_eager_would_pick_about_the_same(llm.engine.model, outs)
+            _assert_eager_would_pick_about_the_same(llm.engine.runner.model, outs)
 
 
 @pytest.mark.slow
@@ -230,7 +230,7 @@ def test_compiled_int8_engine_is_greedy_within_tolerance(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), quantize="int8", compile=True) as llm:
         constants = _graph_constants(modules)
         outs = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
-        model = llm.engine.model
+        model = llm.engine.runner.model
         _assert_eager_would_pick_about_the_same(model, outs)
         weight = weakref.ref(model.h[0].mlp.c_fc.weight)
     del llm, model

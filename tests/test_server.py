@@ -101,7 +101,7 @@ class Gate:
 
     def __init__(self, llm: AsyncLLM, monkeypatch, fail: bool = False) -> None:
         self.entered, self._open = threading.Event(), threading.Event()
-        forward, armed = llm.engine.model.forward_step, [True]
+        forward, armed = llm.engine.runner.run, [True]
 
         def gated(*args, **kwargs):
             if armed[0]:
@@ -112,7 +112,7 @@ class Gate:
                     raise RuntimeError("injected fault")
             return forward(*args, **kwargs)
 
-        monkeypatch.setattr(llm.engine.model, "forward_step", gated)
+        monkeypatch.setattr(llm.engine.runner, "run", gated)
 
     def release(self) -> None:
         self._open.set()

@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minigpt.engine
+import minigpt.runner
+import minigpt.transfer
 from minigpt import LLM, SamplingParams
 
 HERE = Path(__file__).parent
@@ -82,7 +84,7 @@ def test_cpu_default_path_never_imports_triton(tiny_checkpoint) -> None:
         import sys
         from minigpt import LLM, SamplingParams
         with LLM({str(tiny_checkpoint)!r}) as llm:
-            assert llm.engine.backend.name == "torch", llm.engine.backend.name
+            assert llm.engine.runner.backend.name == "torch", llm.engine.runner.backend.name
             llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=4))
         assert "triton" not in sys.modules, "the CPU default path imported triton"
     """)
@@ -128,8 +130,9 @@ def test_step_reads_only_the_sampled_tokens_from_the_device(tiny_checkpoint, mon
     the device) comes from ``to_device``, which copies from pinned memory without blocking on CUDA."""
     engine = _started_engine(tiny_checkpoint)
     host_copies, reads = [], []
-    to_device = minigpt.engine.to_device
-    monkeypatch.setattr(minigpt.engine, "to_device", lambda *a: host_copies.append(a) or to_device(*a))
+    to_device = minigpt.transfer.to_device
+    for module in (minigpt.engine, minigpt.runner):  # every module of the step that builds tensors
+        monkeypatch.setattr(module, "to_device", lambda *a: host_copies.append(a) or to_device(*a))
     tolist = torch.Tensor.tolist
     for new_prompt in (None, [7, 8, 9, 10]):  # decode only; then a prefill joins the decodes
         if new_prompt is not None:

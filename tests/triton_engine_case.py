@@ -35,7 +35,7 @@ def _prompts() -> list[list[int]]:
 def greedy(path, dtype: str, backend: str, kv_cache_dtype: str | None = None) -> list[list[int]]:
     with LLM(str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=DEVICE, attention_backend=backend,
              **ENGINE_ARGS) as llm:
-        assert llm.engine.backend.name == backend
+        assert llm.engine.runner.backend.name == backend
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs]
 

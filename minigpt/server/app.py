@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
 from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
-from minigpt.engine import RequestOutput
+from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
 from minigpt.server.errors import APIError, install_handlers, invalid

@@ -12,7 +12,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict
 
-from minigpt.engine import RequestOutput
+from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.server.errors import invalid
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer

@@ -1,0 +1,153 @@
+"""`LLM`: the engine as a Python API, `generate` and `stream` over continuously batched requests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
+
+from minigpt.engine import Engine
+from minigpt.engine_config import EngineConfig
+from minigpt.progress import Progress
+from minigpt.request import Prompt, Request, RequestOutput
+from minigpt.sampling import SamplingParams
+
+
+class LLM:
+    """A GPT-2 engine: load once, then `generate` many prompts, continuously batched.
+
+        with LLM("gpt2") as llm:
+            outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+    `model` is a hub id or a local checkpoint directory; the other arguments are the fields
+    of `EngineConfig` (documented there, with their defaults).
+    """
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.config = EngineConfig.from_kwargs("LLM", engine_args)
+        self.engine = Engine(model, self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._lock = threading.RLock()  # re-entrant: generate() inside a stream() loop must not deadlock
+        self._closed = False
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); one output per prompt, in input order.
+
+        A progress line goes to stderr for long batches when stderr is a terminal (or when
+        `progress=True`; `False` turns it off)."""
+        prompts = self._as_list(prompts)
+        param_list = self._params_for(prompts, params)
+        with self._lock:
+            self._check_open()
+            requests = [self._make(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, param_list, strict=True))]
+            bar = Progress(len(requests), enabled=progress)
+            for request in requests:
+                self.engine.add(request)
+            try:
+                done = 0
+                while not all(r.finished for r in requests):
+                    self.engine.step()
+                    now_done = sum(r.finished for r in requests)
+                    if now_done != done or self.engine.num_steps % 16 == 0:
+                        done = now_done
+                        bar.update(done, self.engine.num_generated_tokens)
+            except BaseException:
+                for request in requests:
+                    self.engine.abort(request)
+                raise
+            finally:
+                bar.close()
+            return [r.output() for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one completion as tokens are generated; never half a character,
+        never the start of a stop string that may still match. The deltas join to the final text.
+        Bad input raises here, before the first delta."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() takes one completion: SamplingParams.n must be 1")
+        self._check_open()
+        request = self.engine.make_request(prompt, params)
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[str]:
+        seq = request.seqs[0]
+        with self._lock:
+            self._check_open()
+            self.engine.add(request)
+            try:
+                while not seq.finished:
+                    self._check_open()  # the caller may have closed the LLM between two deltas
+                    self.engine.step()
+                    delta = seq.take_text_delta()
+                    if delta:
+                        yield delta
+                tail = seq.take_text_delta()
+                if tail:
+                    yield tail
+            finally:
+                self.engine.abort(request)
+
+    def _make(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+        try:
+            return self.engine.make_request(prompt, params)
+        except ValueError as err:
+            raise ValueError(f"prompt {index}: {err}") from None
+
+    @staticmethod
+    def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError("prompts must be a string, a list of strings or a list of token-id lists "
+                            "(arrays: .tolist())")
+        return list(prompts)
+
+    @staticmethod
+    def _params_for(prompts: list[Prompt], params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        if not isinstance(params, SequenceABC):
+            raise TypeError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return params
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+
+    @property
+    def kv_cache_info(self) -> dict[str, int]:
+        """Pool size and use: blocks, tokens, bytes."""
+        blocks = self.engine.blocks
+        return {
+            "num_blocks": blocks.num_blocks,
+            "block_size": blocks.block_size,
+            "num_tokens": self.engine.runner.pool.num_tokens,
+            "nbytes": self.engine.runner.pool.nbytes,
+            "blocks_in_use": blocks.num_used,
+        }
+
+    def close(self) -> None:
+        """Free the KV pool and the compiled steps. The LLM cannot be used afterwards."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,158 @@
+"""The model runner: the model, its KV pool and the step's tensors.
+
+`prepare` lays a scheduled batch out as one flat step (`StepInputs`): the prompt chunks first, then one
+token per decoding sequence, with positions, each token's slot in the pool and the pages each query
+reads. `run` computes the logits of the rows that are sampled or scored, writing the step's K/V into the
+pool: through the compiled steps where they cover the step, else through the model's layer loop with
+paged attention. The attention backend and the compiled graphs are chosen once, at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minigpt.attention import PagedAttention, PrefillSegment, StepMetadata
+from minigpt.attention_backends import select_backend
+from minigpt.cpu_linear import prepare_linears
+from minigpt.engine_config import EngineConfig
+from minigpt.kv_cache import KVPool, bytes_per_token
+from minigpt.model import attention_inputs, attention_outputs
+from minigpt.sequence import Sequence
+from minigpt.transfer import to_device
+from minigpt.weights import load_model, resolve_device, resolve_dtype
+
+logger = logging.getLogger("minigpt")
+
+
+@dataclass
+class StepInputs:
+    """One step laid out flat: what the model reads, and which logits rows go where afterwards."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    meta: StepMetadata
+    logits_indices: torch.Tensor  # [R] int64: the rows whose logits are computed
+    sample_seqs: list[Sequence]  # the sequences that sample this step
+    sample_rows: list[int]  # their rows among the R
+    # (sequence, its first row among the R, the prompt positions whose next token it scores)
+    prompt_logprob_rows: list[tuple[Sequence, int, list[int]]]
+
+
+class ModelRunner:
+    """Loads the model (quantized or with the linears its device runs fastest), sizes and allocates the
+    KV pool, picks the attention backend, compiles the steps (`compile=True`), and runs steps."""
+
+    def __init__(self, path: Path, config: EngineConfig) -> None:
+        self.config = config
+        dtype, self.device = resolve_dtype(config.dtype), resolve_device(config.device)
+        self.model = load_model(path, dtype=dtype, device=self.device)
+        if config.quantize is not None:
+            from minigpt.quantize import quantize
+
+            quantize(self.model, config.quantize)
+        else:
+            prepare_linears(self.model, dtype, self.device)
+        model_config = self.model.config
+        kv_dtype = resolve_dtype(config.kv_cache_dtype or config.dtype)
+        self.pool = KVPool(model_config, self._num_blocks(kv_dtype), config.block_size, kv_dtype, self.device)
+        self.scales, self.upcast = self.model.attention_scales(), model_config.reorder_and_upcast_attn
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs)
+        self.compiled = None
+        if config.compile:
+            from minigpt.compiled import CompiledSteps
+            from minigpt.quantize import compile_options
+
+            self.compiled = CompiledSteps(self.model, self.pool, compile_options(config.quantize, self.device))
+            self.halves = self.compiled.halves
+            if self.backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
+                self.backend = self.compiled.decode_backend
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
+            self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
+        )
+        if self.compiled is not None:
+            self.compiled.warmup()
+
+    def _num_blocks(self, kv_dtype: torch.dtype) -> int:
+        config, bs = self.config, self.config.block_size
+        if config.kv_cache_tokens:
+            num_tokens = config.kv_cache_tokens
+            num_blocks = num_tokens // bs
+        else:  # from the memory budget, capped at max_num_seqs full contexts of whole pages each
+            num_tokens = config.kv_cache_memory // bytes_per_token(self.model.config, kv_dtype)
+            num_blocks = min(num_tokens // bs, config.max_num_seqs * -(-self.model.config.n_positions // bs))
+        if num_blocks < 1:
+            raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {bs} tokens")
+        return num_blocks
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [R, vocab] of the step's `logits_indices` rows; the step's K/V land in the pool."""
+        if self.compiled is not None and self.compiled.covers(inputs):
+            return self.compiled(inputs)
+        attention = PagedAttention(self.pool.kv, inputs.meta, self.backend, self.scales, self.upcast)
+        return self.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices, self.halves)
+
+    def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+        """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes."""
+        bs = self.config.block_size
+        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[Sequence] = []
+        for seq, chunk in chunks:
+            # A decode is the one token left after a computed context; a single token of a prompt still
+            # being computed (chunked prefill, a prefix-cache hit) is a prefill chunk like any other.
+            if chunk == seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, chunk))
+        tokens: list[tuple[Sequence, int]] = []  # (sequence, position) of each row of the flat batch
+        segments: list[PrefillSegment] = []
+        rows: list[int] = []  # the rows whose logits are computed
+        sample_seqs, sample_rows, prompt_rows = [], [], []
+        for seq, chunk in prefills:
+            start, first = len(tokens), seq.num_computed_tokens
+            end = first + chunk
+            tokens += ((seq, p) for p in range(first, end))
+            segments.append(PrefillSegment(start, chunk, end, self._tensor(seq.block_table[: -(-end // bs)])))
+            if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
+                wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
+                if wanted:
+                    prompt_rows.append((seq, len(rows), wanted))
+                    rows += (start + p - first for p in wanted)
+            if end == len(seq.token_ids):
+                sample_seqs.append(seq)
+                sample_rows.append(len(rows))
+                rows.append(start + chunk - 1)
+        num_prefill_tokens = len(tokens)
+        for seq in decodes:
+            sample_seqs.append(seq)
+            sample_rows.append(len(rows))
+            rows.append(len(tokens))
+            tokens.append((seq, len(seq.token_ids) - 1))
+        tables = lens = None
+        if decodes:
+            width = max(len(seq.block_table) for seq in decodes)
+            padded = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes]
+            tables = to_device(padded, torch.int32, self.device)
+            lens = to_device([len(seq.token_ids) for seq in decodes], torch.int32, self.device)
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in tokens]
+        meta = StepMetadata(self._tensor(slots), segments, num_prefill_tokens, tables, lens)
+        return StepInputs(
+            self._tensor([seq.token_ids[p] for seq, p in tokens]), self._tensor([p for _, p in tokens]), meta,
+            self._tensor(rows), sample_seqs, sample_rows, prompt_rows,
+        )
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int64, self.device)
+
+    def close(self) -> None:
+        """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""
+        self.pool.kv = torch.empty(0)
+        self.backend.close()
+        self.compiled = None
+        self.halves = (attention_inputs, attention_outputs)

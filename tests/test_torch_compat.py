@@ -1,0 +1,22 @@
+"""The torch internals the compiled steps use (minigpt/torch_compat.py): a torch release that moves one
+fails here, naming it, before any compiled engine misbehaves."""
+
+import pytest
+
+from minigpt import LLM, torch_compat
+
+
+def test_this_torch_has_every_internal_used():
+    missing = torch_compat.missing_internals()
+    assert not missing, f"torch moved internals minigpt's compiled steps use: {', '.join(missing)}"
+
+
+def test_a_moved_internal_is_named(monkeypatch):
+    monkeypatch.setattr(torch_compat, "INTERNALS", (*torch_compat.INTERNALS, "torch._inductor.config.no_such_option"))
+    assert torch_compat.missing_internals() == ["torch._inductor.config.no_such_option"]
+
+
+def test_compile_refuses_to_start_without_them(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(torch_compat, "INTERNALS", ("torch._dynamo.no_such_function",))
+    with pytest.raises(RuntimeError, match=r"compile=True needs torch internals .* lacks: torch._dynamo.no_such_"):
+        LLM(str(tiny_checkpoint), compile=True)
