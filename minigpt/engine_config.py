@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from minigpt.quantize import QUANTIZATIONS
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
+
+QUANTIZATIONS = ("int8", "w8a8")  # the modes of minigpt/quantize.py
 
 
 @dataclass(frozen=True)
