@@ -25,13 +25,14 @@ from minigpt.cpu_linear import prepare_linears
 from minigpt.decode_graph import PREFILL_MAX_TOKENS, DecodeGraph
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import BlockManager, KVPool, bytes_per_token
+from minigpt.model import load_model
 from minigpt.progress import Progress
 from minigpt.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logprobs
 from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
 from minigpt.transfer import to_device
-from minigpt.weights import check_complete, load_model, resolve_checkpoint, resolve_device, resolve_dtype
+from minigpt.weights import check_complete, resolve_checkpoint, resolve_device, resolve_dtype
 
 logger = logging.getLogger("minigpt")
 

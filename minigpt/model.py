@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from minigpt.activations import ACTIVATIONS
 from minigpt.attention import StepMetadata, TorchBackend, TritonBackend, prefill_attention
 from minigpt.config import GPT2Config
+from minigpt.weights import load_state_into, resolve_checkpoint, resolve_device, resolve_dtype
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,8 +145,6 @@ class GPT2(nn.Module):
         device: str | torch.device = "cpu",
     ) -> GPT2:
         """Load a Hugging Face GPT-2 checkpoint (hub id or local directory), in eval mode."""
-        from minigpt.weights import load_model
-
         return load_model(name_or_path, dtype=dtype, device=device)
 
     def forward(
@@ -236,3 +236,29 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
     return model
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skip random initialisation while building the model: the checkpoint fills every parameter,
+    and torch's init on the meta device would import torch._dynamo (and with it Triton, ~1 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> GPT2:
+    """Build GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`:
+    built on the meta device, then filled by `minigpt.weights`."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = resolve_checkpoint(name_or_path)
+    config = GPT2Config.from_json_file(path / "config.json")
+    with torch.device("meta"), _SkipInit():
+        model = GPT2(config, torch_dtype)
+    load_state_into(model, path, torch_dtype, torch_device)
+    return model.eval().requires_grad_(False)
