@@ -12,24 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ACTIVATIONS = (
-    "gelu_new",
-    "gelu",
-    "gelu_python",
-    "gelu_pytorch_tanh",
-    "gelu_python_tanh",
-    "gelu_fast",
-    "gelu_accurate",
-    "quick_gelu",
-    "relu",
-    "relu2",
-    "relu6",
-    "silu",
-    "swish",
-    "tanh",
-    "sigmoid",
-    "linear",
-)
+from minigpt.activations import ACTIVATIONS
 
 # HF aliases that some fine-tunes write instead of GPT-2's own names.
 _ALIASES = {
@@ -71,10 +54,11 @@ class GPT2Config:
             raise ConfigError(f"config.json: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner < 1):
             raise ConfigError(f"config.json: n_inner must be a positive integer or null, got {self.n_inner!r}")
-        if self.activation_function not in SUPPORTED_ACTIVATIONS:
+        # isinstance first: a JSON list or object is unhashable, and `in` a dict would raise TypeError
+        if not isinstance(self.activation_function, str) or self.activation_function not in ACTIVATIONS:
             raise ConfigError(
                 f"config.json: activation_function {self.activation_function!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+                f"(supported: {', '.join(ACTIVATIONS)})"
             )
         if not self.layer_norm_epsilon > 0:
             raise ConfigError(f"config.json: layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")

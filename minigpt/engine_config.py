@@ -1,57 +1,49 @@
-"""EngineConfig: every engine setting and its default, in one place.
+"""EngineConfig: every engine setting, its default and its help, in one place.
 
-`LLM(...)`, `python -m minigpt.generate` and `python -m minigpt.serve` all take these names.
+`LLM(...)`, `python -m minigpt.generate` and `python -m minigpt.serve` all take these names: the
+command lines' engine flags are generated from the fields.
 The defaults let dozens of concurrent requests batch with no tuning on a laptop-class CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
-from minigpt.quantize import QUANTIZATIONS
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
+
+QUANTIZATIONS = ("int8", "w8a8")  # the modes of minigpt/quantize.py
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # names the CLI offers; LLM also takes aliases
+
+
+def _setting(default: object, help: str, flag: str | None = "", choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field and its command-line flag: `--field-name` unless `flag` names another,
+    none when it is None. `help` is the field's one-line doc and the flag's help."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
-    """Weights, activations and (unless `kv_cache_dtype` says otherwise) the KV pool: float32 | float16 | bfloat16."""
-    device: str = "cpu"
-    """cpu | cuda."""
-    block_size: int = 16
-    """Tokens per KV page."""
-    kv_cache_tokens: int | None = None
-    """Pool size in tokens; None sizes it from `kv_cache_memory`."""
-    kv_cache_memory: int = 1024**3
-    """Pool size in bytes when `kv_cache_tokens` is None (default 1 GiB: ~14.5k tokens for gpt2
-    with a float32 pool, ~29k with a half-precision one)."""
-    kv_cache_dtype: str | None = None
-    """KV pool: None keeps `dtype`; float16 or bfloat16 stores keys and values in half precision
-    (twice the tokens in the same memory, half the bytes read by decode attention) while the
-    model computes in `dtype`; attention upcasts what it reads to the query's dtype."""
-    max_num_seqs: int = 128
-    """Sequences decoded together in one step."""
-    max_num_batched_tokens: int = 2048
-    """Tokens computed in one step (prompt chunks + one per decoding sequence); longer prompts
-    are prefilled in chunks."""
-    enable_prefix_caching: bool = True
-    """Reuse the pages of a common prompt prefix instead of recomputing it."""
-    attention_backend: str = "auto"
-    """auto | torch | triton: auto takes Triton on CUDA when it imports, torch elsewhere."""
-    quantize: str | None = None
-    """None | int8 (weight-only int8 linears) | w8a8 (int8 weights and per-token int8 activations)."""
-    num_threads: int | None = None
-    """torch CPU threads; None keeps torch's default (one per core)."""
-    compile: bool = False
-    """Run decode steps (and a lone request's prompt) through torch.compile'd graphs
-    (minigpt/decode_graph.py): much faster decoding, at the cost of compiling when the engine starts
-    (two to four minutes on 2 cores the first time, the most with quantize="int8"; torch's on-disk
-    cache makes later starts take seconds, except with quantize="w8a8" on a CPU with AVX-512 VNNI,
-    whose frozen graphs torch cannot cache: ~2-3 min at every start, see quantize.compile_options)."""
-    max_waiting: int = 4096
-    """Requests allowed to wait in the queue of the concurrent front; more are refused at once."""
+    dtype: str = _setting("float32", "float32 | float16 | bfloat16: weights, activations and (by default) the KV pool")
+    device: str = _setting("cpu", "cpu | cuda")
+    block_size: int = _setting(16, "tokens per KV page")
+    kv_cache_tokens: int | None = _setting(None, "KV pool size in tokens (default: what kv_cache_memory bytes hold)")
+    kv_cache_memory: int = _setting(1024**3, "KV pool size in bytes when kv_cache_tokens is None", flag=None)
+    kv_cache_dtype: str | None = _setting(
+        None, "KV pool dtype (default: --dtype); float16/bfloat16 halve its bytes", choices=KV_CACHE_DTYPES
+    )
+    max_num_seqs: int = _setting(128, "sequences decoded together in one step")
+    max_num_batched_tokens: int = _setting(2048, "tokens computed in one step; longer prompts are prefilled in chunks")
+    enable_prefix_caching: bool = _setting(True, "reuse the pages of a common prompt prefix", flag=None)
+    attention_backend: str = _setting("auto", "auto | torch | triton: auto takes Triton on CUDA when it imports")
+    quantize: str | None = _setting(
+        None, "int8: weight-only int8 linears; w8a8: int8 weights and per-token int8 activations", choices=QUANTIZATIONS
+    )
+    num_threads: int | None = _setting(None, "torch CPU threads (default: torch's, one per core)", flag="--threads")
+    compile: bool = _setting(False, "torch.compile the decode steps: faster decoding, minutes of compiling at start")
+    max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting"):
@@ -104,34 +96,29 @@ def error_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def _flag(setting: Field) -> str | None:
+    flag = setting.metadata["flag"]
+    return "--" + setting.name.replace("_", "-") if flag == "" else flag
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags every command line takes (generate, serve), defaults from EngineConfig."""
+    """The engine flags every command line takes (generate, serve): one per EngineConfig field that has one."""
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default=EngineConfig.dtype, help="float32 | float16 | bfloat16")
-    engine.add_argument("--device", default=EngineConfig.device, help="cpu | cuda")
-    engine.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
-                        help="int8: weight-only int8 linears; w8a8: int8 weights and activations")
-    engine.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    engine.add_argument("--kv-cache-dtype", default=None, choices=("float32", "float16", "bfloat16"),
-                        help="KV pool dtype (default: --dtype); float16/bfloat16 halve its bytes")
-    engine.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    engine.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    engine.add_argument("--attention-backend", default=EngineConfig.attention_backend, help="auto | torch | triton")
-    engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    engine.add_argument("--compile", action="store_true",
-                        help="torch.compile the decode steps (faster decoding; 2-4 min to start the first time, "
-                        "and every time with --quantize w8a8 on AVX-512 VNNI CPUs)")
-    engine.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
-                        help="queued requests beyond which new ones are refused at once")
+    for setting in fields(EngineConfig):
+        flag, meta = _flag(setting), setting.metadata
+        if flag is None:
+            continue
+        if setting.type == "bool":  # (annotations are strings here) a switch, off by default
+            engine.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = int if setting.type.startswith("int") else None  # argparse keeps strings as they are
+        engine.add_argument(flag, type=kind, default=setting.default, choices=meta["choices"], help=meta["help"])
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
-    return dict(
-        dtype=args.dtype, device=args.device, quantize=args.quantize, kv_cache_tokens=args.kv_cache_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-        num_threads=args.threads, max_waiting=args.max_waiting, compile=args.compile,
-    )
+    return {
+        setting.name: getattr(args, flag.removeprefix("--").replace("-", "_"))
+        for setting in fields(EngineConfig)
+        if (flag := _flag(setting)) is not None
+    }

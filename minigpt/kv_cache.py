@@ -76,10 +76,6 @@ class BlockManager:
         self.num_hit_blocks = 0  # prefix-cache hits since start
 
     @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 

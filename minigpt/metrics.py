@@ -66,11 +66,6 @@ class EngineMetrics:
     ttft_seconds: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     tpot_seconds: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
 
-    @property
-    def average_batch_size(self) -> float:
-        steps = sum(self.batch_size_histogram.values())
-        return sum(size * n for size, n in self.batch_size_histogram.items()) / steps if steps else 0.0
-
     def to_prometheus(self, prefix: str = "minigpt") -> str:
         """The Prometheus text exposition format of these metrics."""
         lines: list[str] = []

@@ -9,56 +9,18 @@ they pass it (minigpt/attention.py).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
+from minigpt.activations import ACTIVATIONS
 from minigpt.attention import CausalAttention
 from minigpt.config import GPT2Config
-
-
-def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-def _gelu_accurate(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation, GPT-2's own `gelu_new`. Eager, torch's fused kernel computes it in one
-    pass instead of six. Compiled, it is written as x * sigmoid(2u), the same function as
-    0.5 x (1 + tanh(u)): inductor's tanh is the slower kernel (3x its sigmoid; the fused MLP kernel of a
-    ~60 ms batch-100 step took 5.4-6.0 -> 2.2-2.4 ms, 2 AVX-512 cores), and both are within 5.2e-7 of float64."""
-    if torch.compiler.is_compiling():
-        return x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x))
-    return F.gelu(x, approximate="tanh")
-
-
-# Same functions as transformers' ACT2FN, so fp32 logits agree to rounding.
-ACTIVATIONS = {
-    "gelu_new": _gelu_tanh,
-    "gelu": F.gelu,
-    "gelu_python": F.gelu,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_python_tanh": _gelu_accurate,
-    "gelu_fast": _gelu_fast,
-    "gelu_accurate": _gelu_accurate,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "relu2": lambda x: torch.square(F.relu(x)),
-    "relu6": F.relu6,
-    "silu": F.silu,
-    "swish": F.silu,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-    "linear": lambda x: x,
-}
+from minigpt.weights import load_state_into, resolve_checkpoint, resolve_device, resolve_dtype
 
 
 class Attention(Protocol):
@@ -144,8 +106,6 @@ class GPT2(nn.Module):
         device: str | torch.device = "cpu",
     ) -> GPT2:
         """Load a Hugging Face GPT-2 checkpoint (hub id or local directory), in eval mode."""
-        from minigpt.weights import load_model
-
         return load_model(name_or_path, dtype=dtype, device=device)
 
     def forward(
@@ -241,3 +201,29 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
     return model
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skip random initialisation while building the model: the checkpoint fills every parameter,
+    and torch's init on the meta device would import torch._dynamo (and with it Triton, ~1 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> GPT2:
+    """Build GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`:
+    built on the meta device, then filled by `minigpt.weights`."""
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = resolve_checkpoint(name_or_path)
+    config = GPT2Config.from_json_file(path / "config.json")
+    with torch.device("meta"), _SkipInit():
+        model = GPT2(config, torch_dtype)
+    load_state_into(model, path, torch_dtype, torch_device)
+    return model.eval().requires_grad_(False)

@@ -19,14 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minigpt import fbgemm_int8
+from minigpt.engine_config import QUANTIZATIONS
 from minigpt.model import replace_linears
 
 try:  # defines torch.ops.quantized_decomposed, the ops of PyTorch's quantization patterns
     from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
 except ImportError:  # a torch without them: w8a8 keeps torch._int_mm when compiled too
     pass
-
-QUANTIZATIONS = ("int8", "w8a8")
 
 
 def _vnni_cpu(device: torch.device) -> bool:

@@ -21,10 +21,10 @@ from minigpt.attention_backends import select_backend
 from minigpt.cpu_linear import prepare_linears
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import KVPool, bytes_per_token
-from minigpt.model import attention_inputs, attention_outputs
+from minigpt.model import attention_inputs, attention_outputs, load_model
 from minigpt.sequence import Sequence
 from minigpt.transfer import to_device
-from minigpt.weights import load_model, resolve_device, resolve_dtype
+from minigpt.weights import resolve_device, resolve_dtype
 
 logger = logging.getLogger("minigpt")
 

@@ -22,7 +22,6 @@ class ScheduledBatch:
     """The work of one step: (sequence, number of tokens to compute) in batch order."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
 
 
@@ -53,7 +52,6 @@ class Scheduler:
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
-        batch.num_tokens = sum(chunk for _, chunk in batch.chunks)
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:

@@ -1,11 +1,12 @@
-"""Find a GPT-2 checkpoint (hub id or local directory) and load its weights into `GPT2`.
+"""Find a GPT-2 checkpoint (hub id or local directory) and read its weights into a model's parameters.
 
 Real checkpoints come in several shapes: transformers' `save_pretrained` (keys prefixed
 `transformer.`, maybe sharded), the original `openai-community/gpt2` file (no prefix, extra
 attention buffers, no `lm_head`), and older `pytorch_model.bin` files. All load here, with HF's
 Conv1D weights ([in, out]) transposed once to Linear's [out, in]. The model is built on the
-`meta` device and each tensor is moved straight to its dtype/device, so no second full copy of
-the weights is ever held. No pickle code runs: `.bin` files go through `weights_only=True`.
+`meta` device (by `minigpt.model.load_model`, which calls this module; this module never imports
+the model) and each tensor is moved straight to its dtype/device, so no second full copy of the
+weights is ever held. No pickle code runs: `.bin` files go through `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from minigpt.config import GPT2Config
-from minigpt.model import GPT2
 
 DTYPES = {
     "float32": torch.float32,
@@ -206,9 +206,9 @@ def _in_layer_order(name: str) -> list[str | int]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill a meta-device `model` from the weight files in `path`, strictly: every parameter
-    present with its shape, no key left over."""
+def load_state_into(model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a meta-device `model` (a `GPT2`: `config`, `wte`, `lm_head`) from the weight files in `path`,
+    strictly: every parameter present with its shape, no key left over."""
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
@@ -252,28 +252,3 @@ def load_state_into(model: GPT2, path: Path, dtype: torch.dtype, device: torch.d
     model.load_state_dict(state, strict=not tied, assign=True)
     if tied:
         model.lm_head.weight = model.wte.weight
-
-
-class _SkipInit(TorchFunctionMode):
-    """Skip random initialisation while building the model: the checkpoint fills every parameter,
-    and torch's init on the meta device would import torch._dynamo (and with it Triton, ~1 s)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
-def load_model(
-    name_or_path: str | os.PathLike,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-) -> GPT2:
-    """Build GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`."""
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
-    path = resolve_checkpoint(name_or_path)
-    config = GPT2Config.from_json_file(path / "config.json")
-    with torch.device("meta"), _SkipInit():
-        model = GPT2(config, torch_dtype)
-    load_state_into(model, path, torch_dtype, torch_device)
-    return model.eval().requires_grad_(False)

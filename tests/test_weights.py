@@ -15,9 +15,9 @@ import minigpt.checkpoint
 from minigpt import LLM
 from minigpt.checkpoint import random_model, write_checkpoint
 from minigpt.config import ConfigError, GPT2Config
-from minigpt.model import GPT2
+from minigpt.model import GPT2, load_model
 from minigpt.tokenizer import gpt2_vocab_files
-from minigpt.weights import CheckpointError, load_model, resolve_checkpoint
+from minigpt.weights import CheckpointError, resolve_checkpoint
 
 from conftest import TINY, hf_model, write_hf_checkpoint
 
