@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from minigpt.sampling.generator import gumbel_argmax
-from minigpt.sampling.params import MAX_LOGPROBS, is_int
+from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, is_int
 from minigpt.sampling.processors import SamplingRow, on_rows, penalise, penalised, suppress, tensor_like, warp
 
 
@@ -54,19 +54,20 @@ class Sampler:
             raise ValueError(f"vocab_limit must be an int >= 1, got {vocab_limit!r}")
         self.vocab_limit = int(vocab_limit)
         self.eos_token_ids = tuple(eos_token_ids)
+        self._maskable_eos = {i for i in self.eos_token_ids if i < self.vocab_limit}
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Next token of each row from logits [len(rows), vocab] (any float dtype)."""
-        logits = self._checked(logits, rows)
-        if all(row.params.greedy and row.params.logprobs is None and self._untouched(row) for row in rows):
+        batch = self._batch(logits, rows)
+        params, sampled = batch.params, batch.sampled
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not (sampled or asked or batch.penalised or any(batch.suppressed)):
             # The every-step path: nothing to transform. In fp32: exact for any input dtype, and on the
             # CPU faster than a half-precision reduction even counting the cast.
-            return SamplerOutput(argmax(logits.float()).tolist())
+            return SamplerOutput(argmax(batch.logits.float()).tolist())
 
-        x = self.process(logits, rows)
-        params = [row.params for row in rows]
+        x = self._process(batch)
         seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) for row in rows]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == len(rows):
             tokens = gumbel_argmax(x, seeds, steps)
         else:
@@ -76,10 +77,9 @@ class Sampler:
                 tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
 
         out = SamplerOutput(tokens.tolist())
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:
             idx = tensor_like(asked, torch.int64, x)
-            found = _logprobs(logits[idx], tokens[idx], [params[i].logprobs for i in asked])
+            found = _logprobs(batch.logits[idx], tokens[idx], [params[i].logprobs for i in asked])
             out.logprobs = [None] * len(rows)
             for i, lp in zip(asked, found, strict=True):
                 out.logprobs[i] = lp
@@ -91,30 +91,40 @@ class Sampler:
         Every row gets its penalties and min_tokens mask; sampled rows then temperature, top-k, top-p
         and min-p. Greedy rows take the argmax of this. Never modifies `logits`.
         """
-        x = self._checked(logits, rows).float()
-        if any(penalised(row.params) for row in rows):
-            x = penalise(x, rows)
-        suppressed = [self._suppressed(row) for row in rows]
-        if any(suppressed):
-            x = suppress(x, suppressed)
-        params = [row.params for row in rows]
-        return on_rows(x, [i for i, p in enumerate(params) if not p.greedy], warp, params)
+        return self._process(self._batch(logits, rows))
 
-    def _checked(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow]) -> _Batch:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-        return logits[:, : self.vocab_limit]
+        params = [row.params for row in rows]
+        return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
+                      any(penalised(p) for p in params), [i for i, p in enumerate(params) if not p.greedy])
 
-    def _untouched(self, row: SamplingRow) -> bool:
-        return not penalised(row.params) and not self._suppressed(row)
+    def _process(self, batch: _Batch) -> Tensor:
+        x = batch.logits.float()
+        if batch.penalised:
+            x = penalise(x, batch.rows)
+        if any(batch.suppressed):
+            x = suppress(x, batch.suppressed)
+        return on_rows(x, batch.sampled, warp, batch.params)
 
     def _suppressed(self, row: SamplingRow) -> list[int]:
         """Token ids this row may not pick yet: EOS and its stop ids until it has min_tokens tokens."""
         p = row.params
         if len(row.output_token_ids) >= p.min_tokens:
             return []
-        ids = {*p.stop_token_ids, *self.eos_token_ids}
-        return sorted(i for i in ids if i < self.vocab_limit)
+        return sorted({*(i for i in p.stop_token_ids if i < self.vocab_limit), *self._maskable_eos})
+
+
+class _Batch(NamedTuple):
+    """One call's rows and what they ask for, each worked out once."""
+
+    rows: Sequence[SamplingRow]
+    logits: Tensor  # [len(rows), vocab_limit], the caller's dtype
+    params: list[SamplingParams]
+    suppressed: list[list[int]]  # per row: the ids it may not pick yet
+    penalised: bool  # some row has a penalty
+    sampled: list[int]  # the rows that are not greedy
 
 
 ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU
