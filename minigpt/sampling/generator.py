@@ -1,10 +1,9 @@
-"""A counter-based random generator: Gumbel noise hashed from (seed, step, stream, id), and the
+"""The seeded generator: Gumbel noise from a counter-based hash of (seed, step, stream, id), and the
 draw it drives.
 
-Sampled rows draw their randomness from a counter-based hash of (seed, number of tokens generated so
-far, id) instead of a torch generator, so a row's token depends only on its own logits, seed and
-step: not on what it is batched with, where it sits in the batch, or whether it was recomputed after
-a preemption.
+With no torch generator state, a row's token depends only on its own logits, seed and step (the
+number of tokens it has generated): not on what it is batched with, where it sits in the batch, or
+whether it was recomputed after a preemption.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from torch import Tensor
 
 from minigpt.transfer import to_device
 
-# Randomness: a counter-based hash of (seed, step, stream, id). Python ints mix each row's 64-bit key
-# (exact, arbitrary precision); tensor ops spread it over the ids. Tensor values stay below 2**32 in
-# int64 and every product below 2**63, so nothing relies on signed overflow.
+# Python ints mix each row's 64-bit key (exact); tensor ops spread it over the ids. Tensor values stay
+# below 2**32 in int64 and every product below 2**63, so nothing relies on signed overflow.
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -67,12 +65,10 @@ def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
 def gumbel_argmax(x: Tensor, seeds: Sequence[int], steps: Sequence[int]) -> Tensor:
     """One draw per row from softmax(x), reproducible from (seed, step) alone.
 
-    Gumbel-max in two levels, each exact because softmax factorizes: pick a block of ~sqrt(vocab) ids
-    by Gumbel-max over the blocks' log-masses, then an id inside it by Gumbel-max over its logits. That
-    needs ~2 * sqrt(vocab) hashed uniforms per row instead of vocab (the integer hash is slow on CPU:
-    int64 multiplies do not vectorize) for the price of one softmax. Noise is keyed by block / token
-    id, never by row position, so a row's draw ignores the rest of the batch; and small logit drift
-    (a recompute after preemption) rarely moves a Gumbel-max winner, unlike inverse-CDF sampling.
+    Gumbel-max in two levels, each exact because softmax factorizes: a block of ~sqrt(vocab) ids by
+    its log-mass, then an id inside it by its logit, so a row hashes ~2 * sqrt(vocab) uniforms, not
+    vocab (int64 multiplies do not vectorize on the CPU). Noise is keyed by block / token id, never by
+    row position; a small logit drift (a recompute after preemption) rarely moves a Gumbel-max winner.
     """
     rows, vocab = x.shape
     size = math.isqrt(vocab - 1) + 1  # ids per block

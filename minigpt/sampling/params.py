@@ -30,9 +30,9 @@ class SamplingParams:
     engine takes its own copy: a field changed later can neither skip the checks nor alter a running request.
 
     temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
-    overflows float32; vLLM draws the same line); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to
-    tuples (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives
-    per generated / prompt token (0: only the token's own logprob).
+    overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
+    (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
+    generated / prompt token (0: only the token's own logprob).
     """
 
     max_tokens: int = 64

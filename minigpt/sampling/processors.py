@@ -111,9 +111,8 @@ def _top_p(x: Tensor, top_p: list[float]) -> Tensor:
     probs = x.softmax(dim=-1)
     # 1 - top_p rounds to fp32 as transformers' python scalar does.
     threshold = tensor_like([1 - p for p in top_p], torch.float32, x)[:, None]
-    # Any token with p <= threshold / vocab goes whatever its rank: everything up to it sums to at most
-    # threshold. Only the others need ordering, and torch's CPU sort is several times faster on a row
-    # of repeated -inf keys. Halving the bound leaves room for the float error of the cumulative sum.
+    # A token with p <= threshold / vocab goes whatever its rank (everything up to it sums to <= threshold):
+    # only the rest need ordering, and torch's CPU sort is faster on -inf keys. Halved for the cumsum's error.
     surely_removed = probs <= threshold / (2 * x.shape[1])
     order = x.masked_fill(surely_removed, -math.inf).argsort(dim=-1)
     remove = probs.gather(1, order).cumsum(dim=-1) <= threshold
