@@ -1,0 +1,28 @@
+"""Sampling: what a request asks for, and how the next token of every running sequence is picked.
+
+    params.py      SamplingParams, checked and normalised when built
+    processors.py  the logits processors (penalties, min_tokens mask, temperature, top-k, top-p, min-p)
+    generator.py   the counter-based random generator: Gumbel noise keyed by (seed, step, id)
+    sampler.py     the batched Sampler, the CPU argmax, logprobs
+"""
+
+from minigpt.sampling.generator import gumbel_argmax, gumbel_noise, row_keys
+from minigpt.sampling.params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
+from minigpt.sampling.processors import SamplingRow
+from minigpt.sampling.sampler import ARGMAX_BLOCK, Sampler, SamplerOutput, TokenLogprobs, argmax, prompt_logprobs
+
+__all__ = [
+    "ARGMAX_BLOCK",
+    "GREEDY_BELOW",
+    "MAX_LOGPROBS",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "SamplingRow",
+    "TokenLogprobs",
+    "argmax",
+    "gumbel_argmax",
+    "gumbel_noise",
+    "prompt_logprobs",
+    "row_keys",
+]

@@ -1,0 +1,83 @@
+"""The seeded generator: Gumbel noise from a counter-based hash of (seed, step, stream, id), and the
+draw it drives.
+
+With no torch generator state, a row's token depends only on its own logits, seed and step (the
+number of tokens it has generated): not on what it is batched with, where it sits in the batch, or
+whether it was recomputed after a preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from minigpt.transfer import to_device
+
+# Python ints mix each row's 64-bit key (exact); tensor ops spread it over the ids. Tensor values stay
+# below 2**32 in int64 and every product below 2**63, so nothing relies on signed overflow.
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_keys(seeds: Sequence[int], steps: Sequence[int], stream: int = 0) -> list[int]:
+    """One 64-bit key per row from (seed, step, stream): distinct streams give independent noise."""
+    return [_splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ step) ^ stream)
+            for seed, step in zip(seeds, steps, strict=True)]
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """x * c mod 2**32 for x < 2**32, split in 16-bit halves of c so no int64 product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finalizer: a bijection on [0, 2**32); each input bit flips ~half the output."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
+    """Standard Gumbel noise, fp64, one value per (row key, id) for int64 ids [rows, m] in [0, 2**32).
+
+    The uniform u = (hash + 1/2) / 2**32 lies strictly inside (0, 1), so the noise is finite; fp64
+    keeps all 32 bits, so only ids over ~26 nats below the best can never win (fp32: ~19).
+    """
+    lo = to_device([k & _MASK32 for k in keys], torch.int64, ids.device)[:, None]
+    hi = to_device([k >> 32 for k in keys], torch.int64, ids.device)[:, None]
+    h = _fmix32((_fmix32(ids ^ lo) + hi) & _MASK32)  # two rounds: every key bit reaches every output bit
+    u = (h.to(torch.float64) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_argmax(x: Tensor, seeds: Sequence[int], steps: Sequence[int]) -> Tensor:
+    """One draw per row from softmax(x), reproducible from (seed, step) alone.
+
+    Gumbel-max in two levels, each exact because softmax factorizes: a block of ~sqrt(vocab) ids by
+    its log-mass, then an id inside it by its logit, so a row hashes ~2 * sqrt(vocab) uniforms, not
+    vocab (int64 multiplies do not vectorize on the CPU). Noise is keyed by block / token id, never by
+    row position; a small logit drift (a recompute after preemption) rarely moves a Gumbel-max winner.
+    """
+    rows, vocab = x.shape
+    size = math.isqrt(vocab - 1) + 1  # ids per block
+    blocks = -(-vocab // size)
+    probs = torch.nn.functional.pad(x.softmax(dim=-1), (0, blocks * size - vocab))
+    log_mass = probs.view(rows, blocks, size).sum(dim=-1).log_().double()  # [rows, blocks]; empty: -inf
+    block_ids = torch.arange(blocks, device=x.device).expand(rows, blocks)
+    block = (log_mass + gumbel_noise(row_keys(seeds, steps, 0), block_ids)).argmax(dim=-1)  # [rows]
+    token_ids = block[:, None] * size + torch.arange(size, device=x.device)  # [rows, size]
+    inner = x.gather(1, token_ids.clamp(max=vocab - 1)).masked_fill_(token_ids >= vocab, -math.inf).double()
+    inner += gumbel_noise(row_keys(seeds, steps, 1), token_ids)
+    return token_ids.gather(1, inner.argmax(dim=-1, keepdim=True)).squeeze(1)

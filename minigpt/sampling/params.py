@@ -1,0 +1,116 @@
+"""SamplingParams: how to pick the tokens of one request, each field checked and normalised once built."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for, per token (OpenAI's limit)
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad(field: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field} must be {expected}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request; checked at construction and again at submission, where the
+    engine takes its own copy: a field changed later can neither skip the checks nor alter a running request.
+
+    temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
+    overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
+    (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
+    generated / prompt token (0: only the token's own logprob).
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.max_tokens = self._int("max_tokens", self.max_tokens, 1)
+        self.top_k = self._int("top_k", self.top_k, 0)
+        self.n = self._int("n", self.n, 1)
+        self.min_tokens = self._int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, self._int(name, value, 0, MAX_LOGPROBS))
+
+        self.temperature = self._real("temperature", self.temperature, lambda t: t >= 0, ">= 0")
+        self.top_p = self._real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        self.min_p = self._real("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
+        self.repetition_penalty = self._real("repetition_penalty", self.repetition_penalty, lambda r: r > 0,
+                                             "> 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, self._real(name, getattr(self, name), lambda x: -2 <= x <= 2, "in [-2, 2]"))
+
+        if self.seed is not None:
+            if not is_int(self.seed):
+                raise _bad("seed", self.seed, "an int or None")
+            self.seed = int(self.seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "a bool")
+        self.stop = self._stop(self.stop)
+        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy requests take the argmax and never consume randomness."""
+        return self.temperature < GREEDY_BELOW
+
+    @staticmethod
+    def _int(field: str, value: Any, lo: int, hi: int | None = None) -> int:
+        if not is_int(value) or value < lo or (hi is not None and value > hi):
+            raise _bad(field, value, f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]")
+        return int(value)
+
+    @staticmethod
+    def _real(field: str, value: Any, ok: Callable[[float], bool], expected: str) -> float:
+        if not _is_real(value) or not math.isfinite(value) or not ok(value):
+            raise _bad(field, value, f"a finite number {expected}")
+        return float(value)
+
+    @staticmethod
+    def _stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        stops = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise _bad("stop", stop, "a non-empty str or a list of non-empty str")
+        return tuple(stops)
+
+    @staticmethod
+    def _stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+            raise _bad("stop_token_ids", ids, "a list of non-negative ints")
+        return tuple(int(i) for i in ids)

@@ -1,0 +1,175 @@
+"""The batched sampler.
+
+The sampler turns one step's logits for a whole batch into next tokens in a single vectorized pass,
+with each row carrying its own parameters. Every transform reproduces the matching transformers
+logits processor, applied in transformers' order:
+
+    repetition penalty -> presence/frequency penalties -> min_tokens mask
+    -> temperature -> top-k -> top-p -> min-p -> sample (greedy rows: argmax of the penalised logits)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from minigpt.sampling.generator import gumbel_argmax
+from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, is_int
+from minigpt.sampling.processors import SamplingRow, on_rows, penalise, penalised, suppress, tensor_like, warp
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probability of one token and its `k` most likely alternatives {token id: logprob}."""
+
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
+class SamplerOutput:
+    """Next token per row; `logprobs` is set when any row asked for them (None for rows that did not).
+
+    Logprobs are log_softmax of the model's raw logits (over ids < vocab_limit), before penalties,
+    temperature or filtering: comparable across sampling settings and with transformers' raw logits.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Sampler:
+    """Picks the next token of every row of a batch in one vectorized pass.
+
+    Ids >= `vocab_limit` are never sampled: a checkpoint's embedding may be padded past the tokenizer's
+    vocabulary. `eos_token_ids` are what `min_tokens` suppresses, along with each row's stop_token_ids.
+    """
+
+    def __init__(self, vocab_limit: int, eos_token_ids: Sequence[int] = ()) -> None:
+        if not is_int(vocab_limit) or vocab_limit < 1:
+            raise ValueError(f"vocab_limit must be an int >= 1, got {vocab_limit!r}")
+        self.vocab_limit = int(vocab_limit)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._maskable_eos = {i for i in self.eos_token_ids if i < self.vocab_limit}
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Next token of each row from logits [len(rows), vocab] (any float dtype)."""
+        batch = self._batch(logits, rows)
+        params, sampled = batch.params, batch.sampled
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not (sampled or asked or batch.penalised or any(batch.suppressed)):
+            # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
+            return SamplerOutput(argmax(batch.logits.float()).tolist())
+
+        x = self._process(batch)
+        seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) for row in rows]
+        if len(sampled) == len(rows):
+            tokens = gumbel_argmax(x, seeds, steps)
+        else:
+            tokens = argmax(x)
+            if sampled:
+                idx = tensor_like(sampled, torch.int64, x)
+                tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
+
+        out = SamplerOutput(tokens.tolist())
+        if asked:
+            idx = tensor_like(asked, torch.int64, x)
+            found = _logprobs(batch.logits[idx], tokens[idx], [params[i].logprobs for i in asked])
+            out.logprobs = [None] * len(rows)
+            for i, lp in zip(asked, found, strict=True):
+                out.logprobs[i] = lp
+        return out
+
+    def process(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """The fp32 logits [len(rows), vocab_limit] each row draws from, filtered ids at -inf.
+
+        Every row gets its penalties and min_tokens mask; sampled rows then temperature, top-k, top-p
+        and min-p. Greedy rows take the argmax of this. Never modifies `logits`.
+        """
+        return self._process(self._batch(logits, rows))
+
+    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow]) -> _Batch:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+        params = [row.params for row in rows]
+        return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
+                      any(penalised(p) for p in params), [i for i, p in enumerate(params) if not p.greedy])
+
+    def _process(self, batch: _Batch) -> Tensor:
+        x = batch.logits.float()
+        if batch.penalised:
+            x = penalise(x, batch.rows)
+        if any(batch.suppressed):
+            x = suppress(x, batch.suppressed)
+        return on_rows(x, batch.sampled, warp, batch.params)
+
+    def _suppressed(self, row: SamplingRow) -> list[int]:
+        """Token ids this row may not pick yet: EOS and its stop ids until it has min_tokens tokens."""
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            return []
+        return sorted({*(i for i in p.stop_token_ids if i < self.vocab_limit), *self._maskable_eos})
+
+
+class _Batch(NamedTuple):
+    """One call's rows and what they ask for, each worked out once."""
+
+    rows: Sequence[SamplingRow]
+    logits: Tensor  # [len(rows), vocab_limit], the caller's dtype
+    params: list[SamplingParams]
+    suppressed: list[list[int]]  # per row: the ids it may not pick yet
+    penalised: bool  # some row has a penalty
+    sampled: list[int]  # the rows that are not greedy
+
+
+ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU
+
+
+def argmax(x: Tensor) -> Tensor:
+    """Index of the first maximum of each row of x [rows, n], NaN counting as the maximum: what
+    `x.argmax(-1)` returns.
+
+    On the CPU torch's argmax (and max with indices) is not vectorized but `amax` is, so each row's
+    maximum is found among the maxima of its blocks of `ARGMAX_BLOCK` columns, then inside the first
+    block holding it."""
+    if x.device.type != "cpu" or x.numel() == 0:
+        return x.argmax(dim=-1)
+    rows, n = x.shape
+    full = n - n % ARGMAX_BLOCK
+    maxima = x[:, :full].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    if full < n:
+        maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK
+    # the last block may be short: its columns past the end repeat the last one, after the real ones
+    columns = (start + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=n - 1)
+    return (start + x.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def _logprobs(logits: Tensor, chosen: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Logprob of `chosen[i]` under log_softmax(logits[i]) and row i's top-ks[i] alternatives."""
+    logp = logits.float().log_softmax(dim=-1)
+    picked = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    values, ids = logp.topk(min(max(ks), logp.shape[1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprobs(lp, dict(zip(ids[i][:k], values[i][:k], strict=True)))
+            for i, (lp, k) in enumerate(zip(picked, ks, strict=True))]
+
+
+def prompt_logprobs(logits: Tensor, target_ids: Tensor | Sequence[int], k: int,
+                    vocab_limit: int | None = None) -> list[TokenLogprobs]:
+    """Per-position logprobs of a prompt, for scoring and loglikelihood evaluation.
+
+    logits[t] is the model's prediction after prompt position t and target_ids[t] the token that
+    actually followed, so a whole prompt p gives logits[:-1] with p[1:] (the first token has none).
+    Like generated-token logprobs they come from the raw distribution, before any sampling transform.
+    """
+    if logits.dim() != 2 or len(target_ids) != logits.shape[0]:
+        raise ValueError(f"logits must be [T, vocab] with T = len(target_ids) = {len(target_ids)}, "
+                         f"got {tuple(logits.shape)}")
+    if not is_int(k) or not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"k must be an int in [0, {MAX_LOGPROBS}], got {k!r}")
+    targets = torch.as_tensor(target_ids, dtype=torch.int64, device=logits.device)
+    return _logprobs(logits[:, :vocab_limit], targets, [k] * len(targets))
