@@ -80,7 +80,7 @@ class MinigptPeer(P.Peer):
     ) -> P.BatchResult:
         engine = self.llm.engine
         steps0 = engine.num_steps
-        groups = P._chunks(list(prompts), batch_size or len(prompts))
+        groups = P.chunks(list(prompts), batch_size or len(prompts))
         start = time.perf_counter()
         outs = [o for group in groups for o in self.llm.generate([list(p) for p in group],
                                                                  self._params(max_new_tokens), progress=False)]

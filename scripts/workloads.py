@@ -1,6 +1,6 @@
 """The benchmark workloads of the seed scenarios, deterministic from a seed.
 
-Every engine (minigpt and its peers in ``scripts/peers.py``) receives the same prompt token ids, so
+Every engine (minigpt and its peers in ``scripts/peers/``) receives the same prompt token ids, so
 the workloads are defined in tokens: a prompt is generated as English-ish text and cut to an exact
 token count with the checkpoint's own GPT-2 BPE. Nothing here runs a model.
 
@@ -10,7 +10,7 @@ token count with the checkpoint's own GPT-2 BPE. Nothing here runs a model.
     serving    Poisson arrivals at several rates, mixed prompt and output lengths
 
 ``scripts/bench.py`` builds these and hands them to each engine adapter; minigpt plugs in there as
-one more adapter (see ``scripts/peers.py``: ``Peer``).
+one more adapter (see ``scripts/peers/base.py``: ``Peer``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""The machine a benchmark runs on: its thread count, memory bandwidth, and the load other processes put on it."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+THREADS = int(os.environ.get("MINIGPT_BENCH_THREADS", os.cpu_count() or 1))
+
+
+def memory_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
+    """Measured memory bandwidth in GB/s: a large fp32 sum (read only) and copy (read + write)."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    x = torch.ones(n_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    y.copy_(x)  # touch every page first
+
+    def best(fn: Callable[[], Any], moved: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return moved / statistics.median(times) / 1e9
+
+    return {
+        "read_sum_gbs": best(lambda: x.sum(), n_bytes),
+        "copy_gbs": best(lambda: y.copy_(x), 2 * n_bytes),
+    }
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def cpu_busy(interval: float = 1.0) -> float:
+    """Fraction of all cores busy over ``interval`` seconds (Linux /proc/stat; nan elsewhere).
+
+    A timing on a few cores means nothing while something else runs on them."""
+    try:
+        b0, t0 = _cpu_times()
+        time.sleep(interval)
+        b1, t1 = _cpu_times()
+    except OSError:
+        return float("nan")
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+class OtherLoad:
+    """Context manager: the share of the machine's cores that *other* processes used meanwhile.
+
+    Total busy time (from /proc/stat) minus this process's own CPU time (all its threads and
+    waited-for children), over cores x wall time.
+    """
+
+    share: float = float("nan")
+
+    def __enter__(self) -> OtherLoad:
+        self._own0 = sum(os.times()[:4])
+        self._wall0 = time.perf_counter()
+        try:
+            self._busy0 = _cpu_times()[0]
+        except OSError:
+            self._busy0 = -1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._busy0 < 0:
+            return
+        wall = time.perf_counter() - self._wall0
+        busy = (_cpu_times()[0] - self._busy0) / os.sysconf("SC_CLK_TCK")
+        own = sum(os.times()[:4]) - self._own0
+        self.share = max(0.0, busy - own) / ((os.cpu_count() or 1) * max(wall, 1e-9))
+
+
+def wait_until_quiet(max_busy: float = 0.15, timeout_s: float = 300.0, log: Callable[[str], None] = print) -> float:
+    """Block until the machine is (nearly) idle or ``timeout_s`` passes; returns the last busy fraction."""
+    deadline = time.monotonic() + timeout_s
+    busy = cpu_busy()
+    while busy > max_busy and time.monotonic() < deadline:
+        log(f"machine {busy:.0%} busy with other work; waiting for it to settle")
+        busy = cpu_busy(5.0)
+    return busy
