@@ -1,8 +1,9 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
 
-from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
+from minigpt.async_engine import AsyncLLM, QueueFullError
 from minigpt.llm import LLM
 from minigpt.request import CompletionOutput, RequestOutput
+from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams
 
 __all__ = [

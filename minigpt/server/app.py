@@ -17,8 +17,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
-from minigpt.async_engine import AsyncLLM, QueueFullError, RequestHandle, StreamDelta
+from minigpt.async_engine import AsyncLLM, QueueFullError
 from minigpt.request import RequestOutput
+from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
 from minigpt.server.errors import APIError, install_handlers, invalid
