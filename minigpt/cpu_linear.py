@@ -1,26 +1,18 @@
-"""Unquantized linears on the CPU: for each dtype and CPU class, the fastest product measured.
+"""Unquantized linears on the CPU: for each dtype and CPU class, the fastest product measured
+(the numbers: scripts/PERFORMANCE.md, "Measurements behind choices in the code").
 
-- `PackedLinear`: the weight reordered once, at load, into oneDNN's blocked layout. torch's
-  `F.linear` hands oneDNN (bf16) or MKL (fp32) a plain [out, in] weight; oneDNN reorders it on
-  every call. Measured on GPT-2's linears, 2 cores:
-  - bf16 on AVX-512 bf16: a batch-1 step's linears 17.4 -> 12.0 ms, a batch-32 step's 65 -> 54 ms
-    (same oneDNN kernels: the random gpt2's bf16 logits came out bit-identical);
-  - fp32 on an AVX2 EPYC, against MKL: 37.7 -> 27.5 ms at batch 1, 282 -> 196 ms at batch 100.
-  fp32 on AVX-512 CPUs was not measured and keeps `F.linear`.
-- `HalfWeightLinear`: bf16/fp16 weights on a CPU without that arithmetic, where torch emulates it
-  (on the AVX2 EPYC a batch-100 step's bf16 linears took 1.46 s, 7x fp32). torch's
-  `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX multiply
-  bf16 natively: on an AVX-512 VNNI Xeon without them, packed bf16 took GPT-2's linears 426 ms at
-  100 rows (fp32 114, upcast 133), though 13.8 at 1 row (fp32 17.8, bf16 `F.linear` 17.2). Up to `SMALL_BATCH`
-  rows the half kernel stays (it reads half the bytes: 17 ms at batch 1, fp32 27.5); beyond, the
-  weight is upcast and multiplied in fp32 by oneDNN (248 ms at batch 100), a few thousand rows at
-  a time so the fp32 copy stays small.
+- `PackedLinear`: the weight reordered once, at load, into oneDNN's blocked layout, which `F.linear`
+  otherwise redoes on every call. bf16 where the CPU multiplies bf16 natively; fp32 on AVX2 CPUs.
+- `HalfWeightLinear`: bf16/fp16 weights on a CPU without that arithmetic, where torch emulates it.
+  Up to `SMALL_BATCH` rows the half kernel runs (it reads half the bytes); beyond, the weight is
+  upcast and multiplied in fp32 by oneDNN, a few thousand rows at a time.
+  torch's `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX
+  multiply bf16 natively: `native_bf16` checks the CPU's flags too.
 
 Both run as ops of our own, opaque to torch.compile: a packed weight is an opaque `torch._mkldnn`
 tensor inductor can only handle as a frozen constant, and the half product branches on the batch
-size at run time instead of compiling a graph per side. `torch.library.Library` defines them: the
-`custom_op` decorator's wrapper cost ~45 us a call on the EPYC.
-Opaque also means a model with these linears cannot be deep-copied, saved or cast: load a fresh `GPT2`.
+size at run time. `torch.library.Library` defines them (the `custom_op` decorator's wrapper costs
+more per call). Opaque also means a model with these linears cannot be deep-copied, saved or cast.
 """
 
 from __future__ import annotations

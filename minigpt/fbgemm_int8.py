@@ -1,15 +1,13 @@
-"""int8 x int8 matrix products through fbgemm, for x86 CPUs without AVX-512.
+"""int8 x int8 matrix products through fbgemm, for x86 CPUs without AVX-512, where `torch._int_mm`
+runs a naive loop.
 
-There `torch._int_mm` runs a naive loop (measured on a 2-core AVX2 EPYC: 74 ms for GPT-2's linears
-at batch 1, against 9 ms here). fbgemm multiplies unsigned 8-bit activations by signed 8-bit
-weights with AVX2's `vpmaddubsw`, which adds pairs of products into 16 bits and saturates:
-full-range activations came out up to 8% wrong. Activations of 7 bits (|q| <= 63, offset by 64
-into [1, 127]) cannot saturate, so the products are exact integers, the same `_int_mm` gives.
+fbgemm multiplies unsigned 8-bit activations by signed 8-bit weights with AVX2's `vpmaddubsw`, which
+adds pairs of products into 16 bits and saturates. Activations of 7 bits (|q| <= 63, offset by 64 into
+[1, 127]) cannot saturate, so the products are exact integers, the same `_int_mm` gives.
 
-fbgemm's packed weight is a torchbind object that torch.compile cannot trace, so the product is
-an op of our own over the int8 weight tensor, which finds its packed form in `_PACKED`. It is
-defined with `torch.library.Library`, not the `custom_op` decorator: that wrapper cost ~45 us a
-call here, 2 ms over a step's 49 linears.
+fbgemm's packed weight is a torchbind object that torch.compile cannot trace, so the product is an op
+of our own over the int8 weight tensor, which finds its packed form in `_PACKED`, defined with
+`torch.library.Library` (the `custom_op` decorator's wrapper costs more per call).
 """
 
 from __future__ import annotations

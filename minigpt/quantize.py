@@ -153,18 +153,10 @@ def compile_options(mode: str | None, device: torch.device) -> dict[str, object]
     """Inductor options for compiling a model quantized with `mode` (None: not quantized) on `device`.
 
     Both int8 modes compile with freezing and max-autotune on the CPU where inductor has an int8
-    kernel for them: the weights become constants, which lets inductor offer its own C++ kernels next
-    to torch's and keep the faster one per shape.
-    - Weight-only int8 (inductor's int8 x bf16 kernel against `_weight_int8pack_mm`): 11.4 -> 7.1 ms
-      per token at batch 1 (2 cores, AVX-512), for a first compile of ~3.5 min instead of ~1 (torch
-      caches it on disk). ~0.85 GB more per compiled gpt2 int8 engine.
-    - w8a8 where inductor has its VNNI kernel (`vnni_gemm`): measured on an AVX-512 VNNI Xeon without
-      bf16 or AMX, gpt2 on 2 cores, the same tokens: first token 10.4 -> 7.8 ms, a token at batch 1
-      6.9 -> 4.8 ms, 100 queries 1,489 -> 1,566 tok/s. The frozen graphs hold oneDNN-packed weights,
-      which torch's graph cache cannot store: every start compiles them again (125-165 s against ~17 s
-      from the cache), and they hold ~600 MB more for gpt2 (about 5x its int8 weight bytes).
-    Unquantized models gain nothing from freezing, w8a8 without VNNI was not measured faster, and GPUs
-    were not measured, so those compile plainly.
+    kernel for them: the weights become constants, so inductor can offer its own C++ kernels beside
+    torch's and keep the faster one per shape. Frozen w8a8 graphs hold oneDNN-packed weights that
+    torch's graph cache cannot store, so they compile at every start and hold more memory. The other
+    cases were not measured faster frozen, and compile plainly.
     """
     if device.type == "cpu" and (mode == "int8" or (mode == "w8a8" and vnni_gemm(device))):
         quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
