@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
@@ -129,24 +128,23 @@ class Engine:
             if self.scheduler.has_work():
                 raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
             return []
-        scheduled = time.perf_counter()
-        for seq, _ in batch.chunks:
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = scheduled
         try:
             inputs = self.runner.prepare(batch.chunks)
             sampled = self._postprocess(batch, inputs, self.runner.run(inputs))
         except Exception as err:
-            for seq, _ in batch.chunks:
-                if not seq.finished:
-                    seq.fail(f"{type(err).__name__}: {err}")
-                self.scheduler.finish(seq)
+            self._fail(batch, err)
             raise
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
         if self.on_step is not None:
             self.on_step(batch, sampled)
         return sampled
+
+    def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
+        for seq, _ in batch.chunks:
+            if not seq.finished:
+                seq.fail(f"{type(err).__name__}: {err}")
+            self.scheduler.finish(seq)
 
     def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         """Account the computed tokens, record prompt logprobs, sample and append; returns who sampled."""

@@ -10,6 +10,7 @@ recomputed, so the pool running dry delays requests instead of failing them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class Scheduler:
             if not self.blocks.can_allocate(fresh + revived):
                 break
             self.waiting.popleft()
+            if seq.timings.first_scheduled is None:  # not when readmitted after a preemption
+                seq.timings.first_scheduled = time.perf_counter()
             self.blocks.allocate(seq.block_table, cached, num_cached + chunk)
             seq.num_computed_tokens = num_cached
             seq.status = Status.RUNNING
