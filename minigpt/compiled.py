@@ -81,7 +81,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     frozen graphs, which hold packed copies of the weights (pytorch#143563) yet are keyed by shapes."""
     digest = hashlib.sha256()
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = tensor.detach().cpu()
+        tensor = (tensor.to_dense() if tensor.is_mkldnn else tensor).contiguous()  # PackedLinear's weights
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
         digest.update((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
     return digest.hexdigest()

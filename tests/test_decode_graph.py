@@ -14,7 +14,8 @@ from minigpt import LLM, SamplingParams
 from minigpt.attention import PagedAttention
 from minigpt.attention_backends import TorchBackend
 from minigpt.compiled import CompiledSteps, attention_scales, decode_step, prefill_step, weights_fingerprint
-from minigpt.model import GPT2, attention_inputs, attention_outputs
+from minigpt.cpu_linear import PackedLinear
+from minigpt.model import GPT2, attention_inputs, attention_outputs, replace_linears
 from minigpt.quantize import quantize
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -227,3 +228,14 @@ def test_weights_fingerprint_follows_every_byte_of_the_weights(tiny_checkpoint):
     with torch.no_grad():
         first.h[0].attn.c_attn.scales[3] *= 2  # a buffer of the quantized model
     assert weights_fingerprint(first) != tag
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_weights_fingerprint_reads_packed_weights(tiny_checkpoint):
+    """oneDNN's packed weights (PackedLinear: bf16 CPUs, fp32 on AVX2 ones) are opaque tensors with no
+    storage to read: they are digested by value, so equal weights give equal tags whatever the CPU."""
+    plain = GPT2.from_pretrained(tiny_checkpoint)
+    packed = replace_linears(GPT2.from_pretrained(tiny_checkpoint), PackedLinear)
+    assert weights_fingerprint(packed) == weights_fingerprint(replace_linears(GPT2.from_pretrained(tiny_checkpoint),
+                                                                              PackedLinear))
+    assert weights_fingerprint(packed) != weights_fingerprint(plain)  # other names: packed_weight, not weight
