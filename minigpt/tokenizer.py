@@ -14,23 +14,27 @@ from __future__ import annotations
 import codecs
 import functools
 import importlib.util
-import json
-import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import tiktoken
 
+from minigpt.tokenizer_files import (
+    END_OF_TEXT,
+    check_vocab,
+    read_added_tokens_json,
+    read_json,
+    read_merges,
+    read_tokenizer_config,
+    read_tokenizer_json,
+)
+
 # GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-END_OF_TEXT = "<|endoftext|>"
-# Flags of an added token that change how it is matched; minigpt matches added tokens literally
-MATCHING_FLAGS = ("lstrip", "rstrip", "single_word")
 # Read beside vocab.json + merges.txt when present: the tokens a fine-tune added, and add_bos_token
 LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
 
-logger = logging.getLogger(__name__)
 
 
 def _byte_level_table() -> dict[int, str]:
@@ -214,13 +218,13 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     """Builds from (tokenizer.json,) or (vocab.json, merges.txt, *present LEGACY_EXTRAS); `stamps` make
     changed files miss the cache."""
     if len(files) == 1:
-        return cls(*_read_tokenizer_json(files[0]), source=str(files[0]))
+        return cls(*read_tokenizer_json(files[0]), source=str(files[0]))
     vocab_file, merges_file, *extras = files
-    vocab = _check_vocab(_read_json(vocab_file), vocab_file)
+    vocab = check_vocab(read_json(vocab_file), vocab_file)
     special = {END_OF_TEXT: vocab[END_OF_TEXT]} if END_OF_TEXT in vocab else {}
     by_name = {file.name: file for file in extras}
-    listed = _read_added_tokens_json(by_name["added_tokens.json"]) if "added_tokens.json" in by_name else {}
-    decoded, bos_token = (_read_tokenizer_config(by_name["tokenizer_config.json"])
+    listed = read_added_tokens_json(by_name["added_tokens.json"]) if "added_tokens.json" in by_name else {}
+    decoded, bos_token = (read_tokenizer_config(by_name["tokenizer_config.json"])
                           if "tokenizer_config.json" in by_name else (None, None))
     # As transformers: added_tokens.json only without an added_tokens_decoder; an added text the
     # vocabulary already holds is matched literally, under its own id
@@ -230,98 +234,4 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     source = " + ".join([str(vocab_file), *(f.name for f in (merges_file, *extras))])
     if bos_token is not None and bos_token_id is None:
         raise ValueError(f"{source}: add_bos_token is set but the BOS token {bos_token!r} is not in the vocabulary")
-    return cls(vocab, _read_merges(merges_file), special, source=source, bos_token_id=bos_token_id)
-
-
-def _read_json_object(file: Path) -> dict:
-    data = _read_json(file)
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return data
-
-
-def _read_added_tokens_json(file: Path) -> dict[str, int]:
-    """added_tokens.json: the text -> id of each token a fine-tune added (older transformers' format)."""
-    data = _read_json_object(file)
-    if not all(type(i) is int and i >= 0 for i in data.values()):
-        raise ValueError(f"{file}: every added token must map to a non-negative integer id")
-    return data
-
-
-def _read_tokenizer_config(file: Path) -> tuple[dict[str, int] | None, str | None]:
-    """tokenizer_config.json: the added tokens of its `added_tokens_decoder` (id -> entry) as text -> id,
-    None without one; and the BOS token's text when `add_bos_token` is set (`bos_token`: GPT-2's
-    <|endoftext|> when absent, none when null)."""
-    data = _read_json_object(file)
-    decoder = data.get("added_tokens_decoder")
-    bad_decoder = ValueError(f"{file}: added_tokens_decoder must map each id to an entry with a 'content' string")
-    if decoder is not None and not isinstance(decoder, dict):
-        raise bad_decoder
-    added = None if decoder is None else {}
-    for i, entry in (decoder or {}).items():
-        if not (i.isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str)):
-            raise bad_decoder
-        added[entry["content"]] = int(i)
-        flags = [flag for flag in MATCHING_FLAGS if entry.get(flag) is True]
-        if flags:
-            logger.warning("%s: added token %r sets %s, which minigpt ignores: it matches the token literally, "
-                           "so text around it may encode differently from transformers", file, entry["content"],
-                           " and ".join(flags))
-    bos = data.get("bos_token", END_OF_TEXT)
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    if data.get("add_bos_token") is not True or bos is None:
-        return added, None
-    if not isinstance(bos, str):
-        raise ValueError(f"{file}: add_bos_token is set but bos_token is not a token's text")
-    return added, bos
-
-
-def _read_json(file: Path) -> object:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
-
-
-def _check_vocab(vocab: object, file: Path) -> dict[str, int]:
-    if not isinstance(vocab, dict) or not all(type(i) is int and i >= 0 for i in vocab.values()):
-        raise ValueError(f"{file}: the vocabulary must map token text to a non-negative integer id")
-    return vocab
-
-
-def _read_merges(file: Path) -> list[tuple[str, str]]:
-    """merges.txt: an optional "#version" line, then one "left right" pair per line."""
-    try:
-        lines = file.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{file}: not UTF-8 text ({e})") from e
-    if lines[0].startswith("#version"):
-        lines[0] = ""
-    pairs = [line.rstrip("\r").split(" ") for line in lines]
-    bad = next((n for n, pair in enumerate(pairs) if len(pair) != 2 and pair != [""]), None)
-    if bad is not None:
-        raise ValueError(f"{file}, line {bad + 1}: expected two tokens separated by a space: {lines[bad]!r}")
-    return [(pair[0], pair[1]) for pair in pairs if len(pair) == 2]
-
-
-def _read_tokenizer_json(file: Path) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
-    """HF tokenizers format: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens."""
-    data = _read_json(file)
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("merges"), list):
-        raise ValueError(f"{file}: expected a BPE model with model.vocab and model.merges")
-    vocab = _check_vocab(model.get("vocab"), file)
-    merges = []
-    for k, merge in enumerate(model["merges"]):
-        pair = merge.split(" ") if isinstance(merge, str) else merge
-        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
-            raise ValueError(f"{file}: model.merges[{k}] is not a pair of tokens: {merge!r}")
-        merges.append((pair[0], pair[1]))
-    added = data.get("added_tokens", [])
-    if not isinstance(added, list) or not all(_is_added_token(t) for t in added):
-        raise ValueError(f"{file}: every added_tokens entry needs a 'content' string and an integer 'id'")
-    return vocab, merges, {t["content"]: t["id"] for t in added}
-
-
-def _is_added_token(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("content"), str) and type(entry.get("id")) is int
+    return cls(vocab, read_merges(merges_file), special, source=source, bos_token_id=bos_token_id)
