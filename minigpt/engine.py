@@ -121,8 +121,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that got a token this step. If the step fails, its
-        sequences fail (finish_reason "error", their pages freed) and the error is raised."""
+        """Run one batch; returns the sequences that got a token this step, or finished scoring their prompt
+        (max_tokens=0). If the step fails, its sequences fail (finish_reason "error", their pages freed)
+        and the error is raised."""
         batch = self.scheduler.schedule()
         if not batch.chunks:
             if self.scheduler.has_work():
@@ -130,15 +131,16 @@ class Engine:
             return []
         try:
             inputs = self.runner.prepare(batch.chunks)
-            sampled = self._postprocess(batch, inputs, self.runner.run(inputs))
+            updated = self._postprocess(batch, inputs, self.runner.run(inputs))
         except Exception as err:
             self._fail(batch, err)
             raise
+        sampled = inputs.sample_seqs
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
         if self.on_step is not None:
             self.on_step(batch, sampled)
-        return sampled
+        return updated
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
         for seq, _ in batch.chunks:
@@ -147,7 +149,8 @@ class Engine:
             self.scheduler.finish(seq)
 
     def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
-        """Account the computed tokens, record prompt logprobs, sample and append; returns who sampled."""
+        """Account the computed tokens, record prompt logprobs, sample and append; returns the sequences that
+        finished scoring or sampled."""
         for seq, chunk in batch.chunks:
             seq.num_computed_tokens += chunk
             self.blocks.register_full_blocks(seq)
@@ -155,9 +158,13 @@ class Engine:
             targets = [seq.prompt_token_ids[p + 1] for p in positions]
             rows = logits[row : row + len(positions)]
             seq.prompt_logprobs.extend(prompt_logprobs(rows, targets, seq.params.prompt_logprobs, self.vocab_limit))
+        scored = [seq for seq, _ in batch.chunks if seq.scores_only and not seq.num_uncomputed_tokens]
+        for seq in scored:
+            seq.finish_scoring()
+            self.scheduler.finish(seq)
         sampled = inputs.sample_seqs
         if not sampled:
-            return sampled
+            return scored
         if inputs.prompt_logprob_rows:  # logits also hold prompt positions: keep the sampled rows
             logits = logits[to_device(inputs.sample_rows, torch.int64, self.runner.device)]
         out = self.sampler(logits, sampled)
@@ -165,7 +172,7 @@ class Engine:
             seq.append(token, lp)
             if seq.finished:
                 self.scheduler.finish(seq)
-        return sampled
+        return scored + sampled
 
     def close(self) -> None:
         """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""

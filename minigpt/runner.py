@@ -124,7 +124,7 @@ class ModelRunner:
                 if wanted:
                     prompt_rows.append((seq, len(rows), wanted))
                     rows += (start + p - first for p in wanted)
-            if end == len(seq.token_ids):
+            if end == len(seq.token_ids) and not seq.scores_only:
                 sample_seqs.append(seq)
                 sample_rows.append(len(rows))
                 rows.append(start + chunk - 1)

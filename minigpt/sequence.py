@@ -74,6 +74,14 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def scores_only(self) -> bool:
+        """max_tokens=0: the prompt's logprobs are the whole answer; nothing is sampled."""
+        return self.params.max_tokens == 0
+
+    def finish_scoring(self) -> None:
+        self._finish("length", "")
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

@@ -400,3 +400,38 @@ def test_logprobs_of_generated_tokens_equal_transformers(tiny_checkpoint, refere
     torch.testing.assert_close(got, want[torch.arange(6), torch.tensor(out.token_ids)], rtol=0, atol=1e-5)
     for entry, token, row in zip(out.logprobs, out.token_ids, want, strict=True):
         assert list(entry.top) == row.topk(3).indices.tolist() and next(iter(entry.top)) == token
+
+
+def test_max_tokens_zero_scores_the_prompt_without_sampling(tiny_checkpoint, reference):
+    """`max_tokens=0` with `prompt_logprobs`: the prompt's log-probabilities (transformers' log-softmax),
+    nothing generated and no sampling step; scoring requests batch with each other and with generating
+    ones, chunked or not, and give their pages back."""
+    prompts = random_prompts([9, 30, 1, 17], seed=11)
+    score = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24) as llm:
+        sampled_rows: list[int] = []
+        sampler = llm.engine.sampler
+        llm.engine.sampler = lambda logits, rows: sampled_rows.append(len(rows)) or sampler(logits, rows)
+        outs = llm.generate(prompts, [score, score, score, greedy])
+        assert sum(sampled_rows) == 4  # the greedy request's tokens only
+        alone = llm.generate(prompts[:3], score)
+        assert_all_free(llm)
+    for prompt, out in zip(prompts[:3], outs[:3], strict=True):
+        assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        if len(prompt) > 1:
+            with torch.no_grad():
+                want = reference(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+            got = torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
+            torch.testing.assert_close(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])],
+                                       rtol=0, atol=1e-5)
+    assert outs[3].token_ids == hf_greedy(reference, prompts[3], 4)
+    for a, b in zip(alone, outs[:3], strict=True):  # the same scores batched otherwise (fp32 rounding aside)
+        scores = [[e and e.logprob for e in out.prompt_logprobs] for out in (a, b)]
+        assert scores[0] == pytest.approx(scores[1], abs=1e-5)
+
+
+def test_max_tokens_zero_needs_prompt_logprobs():
+    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1 \(0 only with prompt_logprobs"):
+        SamplingParams(max_tokens=0)

@@ -507,3 +507,18 @@ def test_load_test_script(served):
     assert summary["requests_ok"] == 8 and summary["errors"] == {}
     assert summary["completion_tokens"] > 0 and summary["ttft_p50_ms"] > 0
     wait_idle(served.llm)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(served, reference):
+    """OpenAI's legacy scoring call: the prompt echoed with its log-probabilities, nothing generated."""
+    client = served.client()
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1)
+    want = generate(reference, PROMPTS[0], max_tokens=0, prompt_logprobs=1)
+    choice = response.choices[0]
+    assert choice.text == PROMPTS[0] and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [reference.tokenizer.decode([i]) for i in want.prompt_token_ids]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([t.logprob for t in want.prompt_logprobs[1:]], abs=1e-4)
+    assert response.usage.completion_tokens == 0
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPTS[1] and plain.choices[0].logprobs is None

@@ -32,7 +32,8 @@ class SamplingParams:
     temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
     overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
     (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
-    generated / prompt token (0: only the token's own logprob).
+    generated / prompt token (0: only the token's own logprob). `max_tokens=0` with `prompt_logprobs`
+    scores the prompt and generates nothing.
     """
 
     max_tokens: int = 64
@@ -53,7 +54,9 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.max_tokens = self._int("max_tokens", self.max_tokens, 1)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise _bad("max_tokens", self.max_tokens, "an int >= 1 (0 only with prompt_logprobs, to score a prompt)")
+        self.max_tokens = self._int("max_tokens", self.max_tokens, 0)
         self.top_k = self._int("top_k", self.top_k, 0)
         self.n = self._int("n", self.n, 1)
         self.min_tokens = self._int("min_tokens", self.min_tokens, 0)

@@ -88,6 +88,9 @@ class CompletionRequest(BaseModel):
         if self.stream and self.logprobs is not None and self.echo:
             raise invalid("logprobs with echo are not supported with stream=true", "logprobs")
         top_k = self.top_k if self.top_k != -1 else 0  # vLLM spells "no top-k" as -1
+        prompt_logprobs = self.logprobs if self.echo else None
+        if self.echo and self.max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # OpenAI's scoring call: the prompt echoed, nothing generated
         given = {
             "max_tokens": 16 if self.max_tokens is None else self.max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
@@ -96,7 +99,7 @@ class CompletionRequest(BaseModel):
             "stop": self.stop,
             "seed": self.seed,
             "logprobs": self.logprobs,
-            "prompt_logprobs": self.logprobs if self.echo else None,
+            "prompt_logprobs": prompt_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "top_k": top_k,
