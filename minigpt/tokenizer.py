@@ -50,6 +50,9 @@ def _byte_level_table() -> dict[int, str]:
 
 
 _BYTE_LEVEL = _byte_level_table()
+# The other way: byte -> its character in GPT-2's alphabet, as vocab.json writes it
+# (the moved bytes; a printable byte is its own character)
+_MOVED_BYTE_CHARS = {ord(byte): chr(char) for char, byte in _BYTE_LEVEL.items() if byte != "\uffff"}
 
 
 class Tokenizer:
@@ -126,8 +129,10 @@ class Tokenizer:
             raise corrupt(f"no {END_OF_TEXT} special token")
         self.eos_token_id: int = special_tokens[END_OF_TEXT]
         self.n_vocab: int = n_vocab
+        self._special_ids = special_ids
         if bos_token_id is not None and not 0 <= bos_token_id < n_vocab:
             raise corrupt(f"the BOS token id {bos_token_id} is outside the vocabulary [0, {n_vocab})")
+        self.bos_token_id: int | None = bos_token_id  # put before every text, when set
         self._prefix = [] if bos_token_id is None else [bos_token_id]
         self.encoding = tiktoken.Encoding(
             "minigpt-gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
@@ -154,15 +159,24 @@ class Tokenizer:
         stats = [f.stat() for f in files]
         return _load(cls, tuple(f.resolve() for f in files), tuple((s.st_mtime_ns, s.st_size) for s in stats))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids. Special tokens written in the text are encoded as themselves, as transformers
         does: "a<|endoftext|>b" gives [64, 50256, 65], not the ids of the characters "<", "|", ...
         So a prompt can hold document separators, and user text can too: filter it if that matters.
-        With tokenizer_config.json's add_bos_token, the ids start with the BOS token, as transformers' do."""
+        With tokenizer_config.json's add_bos_token, the ids start with the BOS token, as transformers' do,
+        unless `add_special_tokens` is false."""
         ids = self.encoding.encode(text, allowed_special="all")
         if self._rank_to_id is not None:
             ids = [self._rank_to_id.get(r, r) for r in ids]
-        return self._prefix + ids
+        return self._prefix + ids if add_special_tokens else ids
+
+    def token_text(self, token_id: int) -> str:
+        """A token as the vocabulary writes it (GPT-2's byte alphabet: " the" is "Ġthe"), as transformers'
+        convert_ids_to_tokens gives it; a special token is its own text."""
+        raw = self.decode_bytes([token_id])
+        if token_id in self._special_ids:
+            return raw.decode("utf-8")
+        return "".join([_MOVED_BYTE_CHARS.get(b, chr(b)) for b in raw])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """Ids -> the raw bytes they stand for (possibly cut inside a UTF-8 character)."""

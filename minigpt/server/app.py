@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions and /v1/models, plus /health and /metrics.
+"""The FastAPI app: OpenAI's /v1/completions and /v1/models, vLLM's /tokenize, /detokenize and
+/tokenizer_info, plus /health and /metrics.
 
 Each prompt of a request becomes one `AsyncLLM` request, so it joins the running batch at the
 engine's next step. A request ends when the engine finishes it or when its client goes away:
@@ -22,29 +23,37 @@ from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
-from minigpt.server.errors import APIError, install_handlers, invalid
+from minigpt.server.errors import APIError, check_model, install_handlers, invalid
 from minigpt.server.middleware import BearerAuth, BodySizeLimit
 from minigpt.server.protocol import CompletionRequest
+from minigpt.server.tokenization import Tokenization
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 T = TypeVar("T")
 
 
 def build_app(
     llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
-    """An app serving `llm` under `model_name`; with `api_key`, /v1 asks for `Authorization: Bearer <key>`."""
+    """An app serving `llm` under `model_name`; with `api_key`, /v1 and the tokenizer endpoints ask for
+    `Authorization: Bearer <key>`."""
     app = FastAPI(title="minigpt", version=__version__)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first
+        app.add_middleware(BearerAuth, api_key=api_key, prefix=("/v1", *TOKENIZER_PATHS))  # added last: runs first
     server = CompletionServer(llm, model_name)
     v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/models", server.models, methods=["GET"])
     app.include_router(v1)
+    # vLLM's paths: at the root, where lm-eval looks for them beside <root>/v1/completions
+    tokenization = Tokenization(llm.tokenizer, model_name, llm.engine.model_config.n_positions)
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenization.tokenizer_info, methods=["GET"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -73,9 +82,7 @@ class CompletionServer:
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        check_model(body.model, self.model_name)
         params = body.sampling_params()
         prompts = body.prompts()
         handles = self._submit(prompts, params)

@@ -43,6 +43,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
+def check_model(model: str | None, served: str) -> None:
+    """A request may name the served model or none; any other name is OpenAI's 404 model_not_found."""
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
 def validation_error(err: RequestValidationError, content_type: str | None = None) -> APIError:
     """The first pydantic error as a 400 naming the field: malformed JSON, wrong types, unknown fields.
     `content_type`: the request's; a body sent as something else (curl -d's form encoding) is not read as JSON."""
@@ -59,7 +66,7 @@ def validation_error(err: RequestValidationError, content_type: str | None = Non
         return invalid(f"unknown field {param!r}", param)
     if kind == "missing":
         return invalid(f"{param} is required", param)
-    if param == "prompt":
+    if param == "prompt" and len(loc) > 1:  # one of the completions prompt's forms (/tokenize takes text)
         return invalid("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
                        param)
     where = ".".join(loc)

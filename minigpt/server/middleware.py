@@ -13,9 +13,10 @@ from minigpt.server.errors import APIError
 
 
 class BearerAuth:
-    """Paths under `prefix` need `Authorization: Bearer <api_key>`; probes (/health, /metrics) do not."""
+    """Paths under `prefix` (one or a tuple) need `Authorization: Bearer <api_key>`; probes (/health,
+    /metrics) do not."""
 
-    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str | tuple[str, ...] = "/v1") -> None:
         self.app = app
         self.key = api_key.encode()
         self.prefix = prefix
