@@ -79,6 +79,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_limit]
         if bad:  # text too: a tokenizer may know more ids than the model has rows
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_limit})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_limit]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.vocab_limit})")
         limit = self.model_config.n_positions
         if len(ids) + params.max_tokens > limit:
             raise ValueError(

@@ -144,6 +144,9 @@ def test_pool_is_allocated_once(tiny_checkpoint):
         ([50257], SamplingParams(), "outside the vocabulary"),
         ([-1], SamplingParams(), "outside the vocabulary"),
         ("hi", SamplingParams(max_tokens=200), "exceeds the model's context"),
+        ("hi", SamplingParams(logit_bias={5: 1.0, 50257: -2.0}),
+         r"SamplingParams\.logit_bias has token id 50257, outside the vocabulary \[0, 50257\)"),
+        ("hi", SamplingParams(allowed_token_ids=[1, 60000]), r"SamplingParams\.allowed_token_ids has token id 60000"),
     ],
 )
 def test_bad_requests_are_refused_clearly(tiny_checkpoint, prompt, params, match):
@@ -187,6 +190,42 @@ def test_stop_token_and_eos(tiny_checkpoint, reference):
     with LLM(str(tiny_checkpoint)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[tokens[4]]))[0]
         assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[4]) + 1]
+        assert_all_free(llm)
+
+
+def test_logit_bias_greedy_equals_transformers_sequence_bias(tiny_checkpoint, reference):
+    """transformers' sequence_bias on one-token sequences is minigpt's logit_bias; both apply it first, to the
+    raw logits, so they agree with a repetition penalty too. -100 on the greedy token takes the next one."""
+    prompts = random_prompts([4, 9, 20], seed=3)
+    first = [hf_greedy(reference, p, 1)[0] for p in prompts]
+    bias = {first[0]: -100.0, first[1]: -100.0, 7: 2.0, 300: 3.0, 4000: -1.0}
+    with LLM(str(tiny_checkpoint)) as llm:
+        for extra in ({}, {"repetition_penalty": 1.3}):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, logit_bias=bias, **extra))
+            for prompt, out in zip(prompts, outs, strict=True):
+                ids = torch.tensor([prompt])
+                with torch.no_grad():
+                    want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                                              do_sample=False, eos_token_id=None, pad_token_id=0,
+                                              sequence_bias={(t,): b for t, b in bias.items()}, **extra)
+                assert out.token_ids == want[0, len(prompt):].tolist()
+            assert outs[0].token_ids[0] != first[0] and outs[1].token_ids[0] != first[1]
+        forced = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={123: 100.0}))
+        assert [o.token_ids for o in forced] == [[123] * 6] * 3
+        assert_all_free(llm)
+
+
+def test_allowed_token_ids_restrict_greedy_and_seeded_samples(tiny_checkpoint):
+    allowed = [11, 220, 464, 50256]
+    with LLM(str(tiny_checkpoint)) as llm:
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+        params = [greedy] + [SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.5, seed=s,
+                                            allowed_token_ids=allowed, logit_bias={220: 1.0}) for s in range(24)]
+        outs = llm.generate(["Hello"] * len(params), params)
+        drawn = {t for o in outs for t in o.token_ids}
+        assert drawn <= set(allowed) and len(drawn) > 1
+        again = llm.generate(["Hello", "another prompt beside them", "Hello"], [params[5], SamplingParams(), params[9]])
+        assert [again[0].token_ids, again[2].token_ids] == [outs[5].token_ids, outs[9].token_ids]  # seeded
         assert_all_free(llm)
 
 

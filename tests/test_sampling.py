@@ -59,7 +59,7 @@ def test_defaults_are_the_public_contract():
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.ignore_eos) == (64, 0.0, 0, 1.0, None, False)
     assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (0.0, 1.0, 0.0, 0.0)
     assert (p.logprobs, p.prompt_logprobs, p.n, p.min_tokens) == (None, None, 1, 0)
-    assert p.stop == () and p.stop_token_ids == ()
+    assert p.stop == () and p.stop_token_ids == () and p.logit_bias is None and p.allowed_token_ids is None
     assert p.greedy and not SamplingParams(temperature=0.5).greedy
 
 
@@ -70,6 +70,13 @@ def test_normalisation():
     p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2, logprobs=0, min_tokens=64, seed=-5)
     assert isinstance(p.temperature, float) and isinstance(p.repetition_penalty, float)
     assert p.logprobs == 0 and p.min_tokens == 64 and p.seed == -5
+    bias = {5: 1, 7: -100.0}
+    p = SamplingParams(logit_bias=bias, allowed_token_ids=[9, 3])
+    assert p.logit_bias == {5: 1.0, 7: -100.0} and isinstance(p.logit_bias[5], float)
+    assert p.allowed_token_ids == (9, 3)
+    bias[5] = 50.0  # the caller's dict is not the params'
+    assert p.logit_bias[5] == 1.0
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 @pytest.mark.parametrize(
@@ -90,6 +97,10 @@ def test_normalisation():
         ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", 100), ("prompt_logprobs", 1.0),
         ("n", 0), ("n", False),
         ("min_tokens", -1), ("min_tokens", 65), ("min_tokens", 1.0),
+        ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {True: 1.0}),
+        ("logit_bias", {1: math.inf}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: "2"}), ("logit_bias", [1]),
+        ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0]),
+        ("allowed_token_ids", 5), ("allowed_token_ids", {1}),
     ],
 )
 def test_invalid_values_name_the_field(field_name, value):
@@ -213,11 +224,47 @@ def test_full_chain_matches_transformers_order():
         assert_same_logits(ours[i], chain(ids, logits[i][None].clone())[0])
 
 
+def test_logit_bias_matches_transformers_sequence_bias():
+    logits = random_logits(3)
+    biases = [{5: -100.0, 17: 2.5, 999: 0.25}, {}, {0: 100.0, V + 3: 7.0}]  # ids past the vocab are dropped
+    ours = processed([SamplingParams(logit_bias=b) for b in biases], logits)
+    for i, b in enumerate(biases):
+        kept = {(t,): v for t, v in b.items() if t < V}
+        assert torch.equal(ours[i], hf(lp.SequenceBiasLogitsProcessor(kept), logits[i]) if kept else logits[i])
+
+
+def test_allowed_token_ids_match_transformers_prefix_constraint():
+    logits = random_logits(3)
+    allowed = [[3, 500, 7], None, [V - 1, V + 5]]
+    ours = processed([SamplingParams(allowed_token_ids=a) for a in allowed], logits)
+    assert torch.equal(ours[1], logits[1])
+    for i in (0, 2):
+        ids = [t for t in allowed[i] if t < V]
+        assert_same_logits(ours[i], hf(lp.PrefixConstrainedLogitsProcessor(lambda *_, ids=ids: ids, 1), logits[i]))
+        assert torch.isfinite(ours[i]).sum() == len(ids)
+
+
+def test_bias_and_allowed_ids_come_first_as_in_transformers_generate():
+    """logit bias (transformers' sequence_bias, first in generate's list) -> allowed ids -> repetition penalty
+    -> temperature -> top-k: the bias acts on the raw logits, before the penalty scales them."""
+    logits = random_logits(1, seed=4)
+    bias, allowed = {3: 4.0, 6: -1.5, 40: 2.0}, list(range(0, 600, 3))
+    row = Row(SamplingParams(logit_bias=bias, allowed_token_ids=allowed, repetition_penalty=1.7, temperature=0.8,
+                             top_k=30), prompt_token_ids=[3, 6, 9, 12], output_token_ids=[40, 41])
+    chain = lp.LogitsProcessorList([lp.SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()}),
+                                    lp.PrefixConstrainedLogitsProcessor(lambda *_: allowed, 1),
+                                    lp.RepetitionPenaltyLogitsProcessor(1.7), lp.TemperatureLogitsWarper(0.8),
+                                    lp.TopKLogitsWarper(30)])
+    ids = torch.tensor([row.prompt_token_ids + row.output_token_ids])
+    assert_same_logits(processed([], logits, [row])[0], chain(ids, logits.clone())[0])
+
+
 def test_process_leaves_the_callers_logits_alone():
-    logits = random_logits(4)
+    logits = random_logits(6)
     before = logits.clone()
     params = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(repetition_penalty=2.0),
               SamplingParams(), SamplingParams(temperature=0.5, top_k=3, min_p=0.1)]
+    params += [SamplingParams(logit_bias={1: 5.0}), SamplingParams(temperature=1.0, allowed_token_ids=[2, 3])]
     processed(params, logits)
     Sampler(V)(logits, [Row(p) for p in params])
     assert torch.equal(logits, before)
@@ -295,17 +342,49 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert EOS not in drawn and 42 not in drawn
 
 
+def test_greedy_rows_honour_logit_bias_and_allowed_ids():
+    """Rows with a bias or an allowed set leave the greedy fast path; the rows beside them are unchanged."""
+    logits = random_logits(5)
+    top2 = logits.topk(2).indices.tolist()
+    rows = [Row(SamplingParams(logit_bias={top2[0][0]: -100.0})), Row(SamplingParams(logit_bias={42: 100.0})),
+            Row(SamplingParams(allowed_token_ids=[7, 8, 9])), Row(SamplingParams()),
+            Row(SamplingParams(logit_bias={top2[4][1]: 100.0}, allowed_token_ids=[top2[4][0], top2[4][1]]))]
+    out = Sampler(V)(logits, rows)
+    assert out.token_ids == [top2[0][1], 42, 7 + int(logits[2, 7:10].argmax()), int(logits[3].argmax()), top2[4][1]]
+    assert out.logprobs is None
+
+
+def test_allowed_ids_restrict_sampled_tokens_across_seeds():
+    allowed = [3, 77, 500, 998]
+    logits = random_logits(1, scale=1.0).expand(300, V)
+    rows = [Row(SamplingParams(temperature=1.5, allowed_token_ids=allowed, top_p=0.99), seed=s) for s in range(300)]
+    drawn = Sampler(V)(logits, rows).token_ids
+    assert set(drawn) == set(allowed)  # all four are drawn, nothing else
+
+
+def test_logprobs_stay_raw_under_bias_and_allowed_ids():
+    logits = random_logits(1)
+    raw = logits[0].log_softmax(-1)
+    params = SamplingParams(logprobs=3, logit_bias={11: 100.0}, allowed_token_ids=[11, 12])
+    out = Sampler(V)(logits, [Row(params)])
+    assert out.token_ids == [11]
+    assert out.logprobs[0].logprob == pytest.approx(raw[11].item(), abs=1e-6)
+    assert list(out.logprobs[0].top) == raw.topk(3).indices.tolist()
+
+
 # ---------------------------------------------------------------- seeded sampling
 
 
 def test_seeded_row_is_independent_of_batch_and_position():
-    """The same request alone and at every position of a batch of 8 draws the same tokens, step after step."""
+    """The same request alone and at every position of a batch of 9 draws the same tokens, step after step."""
     steps = 12
     step_logits = [random_logits(1, seed=100 + s, scale=1.0)[0] for s in range(steps)]
-    target = SamplingParams(temperature=0.9, top_p=0.95, top_k=300, min_p=0.01, repetition_penalty=1.1)
+    target = SamplingParams(temperature=0.9, top_p=0.95, top_k=300, min_p=0.01, repetition_penalty=1.1,
+                            logit_bias={5: 2.0, 6: -3.0, 100: 1.5})
     others = [SamplingParams(), SamplingParams(temperature=2.0), SamplingParams(temperature=0.5, top_k=5),
               SamplingParams(temperature=1.0, top_p=0.3, logprobs=3), SamplingParams(repetition_penalty=1.5),
-              SamplingParams(temperature=1.0, min_p=0.2, presence_penalty=1.0), SamplingParams(temperature=0.7)]
+              SamplingParams(temperature=1.0, min_p=0.2, presence_penalty=1.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, allowed_token_ids=[1, 2, 3], logit_bias={2: 1.0})]
     sampler = Sampler(V, eos_token_ids=(EOS,))
 
     def run(position: int | None) -> list[int]:
@@ -323,7 +402,7 @@ def test_seeded_row_is_independent_of_batch_and_position():
         return me.output_token_ids
 
     alone = run(None)
-    for position in (0, 3, 7):
+    for position in (0, 3, 8):
         assert run(position) == alone
     assert len(set(alone)) > 1
 

@@ -206,6 +206,33 @@ def test_sampling_fields_reach_the_engine(served, reference, fields):
         (o.index, o.text, o.finish_reason) for o in want.outputs]
 
 
+def test_logit_bias_and_allowed_ids_reach_the_engine(served, reference):
+    """OpenAI's logit_bias (ids as strings, -100 bans a token) and vLLM's allowed_token_ids."""
+    first = generate(reference, PROMPTS[0], max_tokens=1).token_ids[0]
+    bias = {first: -100.0, 13: 5.0, 198: 2.5}
+    response = served.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                                  logit_bias={str(t): b for t, b in bias.items()})
+    want = generate(reference, PROMPTS[0], max_tokens=12, logit_bias=bias)
+    assert response.choices[0].text == want.text and want.token_ids[0] != first
+    allowed = [11, 13, 198, 262]
+    response = served.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0,
+                                                  seed=4, logit_bias={"11": 1}, logprobs=0,
+                                                  extra_body={"allowed_token_ids": allowed})
+    want = generate(reference, PROMPTS[2], max_tokens=12, temperature=1.0, seed=4, logit_bias={11: 1.0},
+                    allowed_token_ids=allowed)
+    assert response.choices[0].text == want.text
+    assert set(want.token_ids) <= set(allowed)
+
+
+def test_openapi_schema_describes_the_request_fields(served):
+    schema = httpx.get(f"{served.url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+    fields = schema["properties"]
+    bias = fields["logit_bias"]["anyOf"][0]
+    assert bias["patternProperties"] == {"^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}
+    assert fields["allowed_token_ids"]["anyOf"][0] == {"type": "array", "items": {"type": "integer"}}
+    assert {"top_k", "min_p", "stop_token_ids", "min_tokens"} <= set(fields)
+
+
 def test_stop_string_ends_the_text_before_it(served, reference):
     full = generate(reference, PROMPTS[2], max_tokens=40).text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -286,6 +313,16 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix", "suffix"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "pattern"),
+    ({"prompt": "hi", "logit_bias": {"-1": 1}}, 400, "logit_bias", "pattern"),
+    ({"prompt": "hi", "logit_bias": {"5": 100.5}}, 400, "logit_bias", "less than or equal to 100"),
+    ({"prompt": "hi", "logit_bias": {"5": -101}}, 400, "logit_bias", "greater than or equal to -100"),
+    ({"prompt": "hi", "logit_bias": {"5": "1"}}, 400, "logit_bias", "number"),
+    ({"prompt": "hi", "logit_bias": {"50257": 1}}, 400, "logit_bias", "logit_bias has token id 50257, outside"),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty"),
+    ({"prompt": "hi", "allowed_token_ids": [-3]}, 400, "allowed_token_ids", "allowed_token_ids must be"),
+    ({"prompt": ["a", "b"], "allowed_token_ids": [50257]}, 400, "allowed_token_ids",
+     "prompt 0: allowed_token_ids has token id 50257"),
 ])
 def test_invalid_requests_get_openai_errors(served, body, status, param, says):
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()

@@ -1,7 +1,8 @@
 """Sampling: what a request asks for, and how the next token of every running sequence is picked.
 
     params.py      SamplingParams, checked and normalised when built
-    processors.py  the logits processors (penalties, min_tokens mask, temperature, top-k, top-p, min-p)
+    processors.py  the logits processors (logit bias, allowed ids, penalties, min_tokens mask, temperature,
+                   top-k, top-p, min-p)
     generator.py   the counter-based random generator: Gumbel noise keyed by (seed, step, id)
     sampler.py     the batched Sampler, the CPU argmax, logprobs
 """

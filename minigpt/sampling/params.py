@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,9 @@ class SamplingParams:
     overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
     (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
     generated / prompt token (0: only the token's own logprob). `max_tokens=0` with `prompt_logprobs`
-    scores the prompt and generates nothing.
+    scores the prompt and generates nothing. `logit_bias` {token id: bias} is added to
+    those ids' logits and `allowed_token_ids` restricts the choice to its ids, both before any penalty;
+    normalised to a dict (None when empty) and a tuple.
     """
 
     max_tokens: int = 64
@@ -52,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens == 0 and self.prompt_logprobs is None:
@@ -82,7 +86,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
         self.stop = self._stop(self.stop)
-        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+        self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = self._logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids, min_len=1)
 
     @property
     def greedy(self) -> bool:
@@ -111,9 +118,20 @@ class SamplingParams:
         return tuple(stops)
 
     @staticmethod
-    def _stop_token_ids(ids: Any) -> tuple[int, ...]:
+    def _token_ids(field: str, ids: Any, min_len: int = 0) -> tuple[int, ...]:
         if ids is None:
             return ()
-        if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
-            raise _bad("stop_token_ids", ids, "a list of non-negative ints")
+        if not isinstance(ids, (list, tuple)) or len(ids) < min_len or not all(is_int(i) and i >= 0 for i in ids):
+            raise _bad(field, ids, f"a {'non-empty ' if min_len else ''}list of non-negative ints")
         return tuple(int(i) for i in ids)
+
+    @staticmethod
+    def _logit_bias(bias: Any) -> dict[int, float] | None:
+        """A new dict each time: the caller's can change without reaching a submitted request."""
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping) or not all(
+            is_int(i) and i >= 0 and _is_real(b) and math.isfinite(b) for i, b in bias.items()
+        ):
+            raise _bad("logit_bias", bias, "a dict of non-negative int token ids to finite numbers")
+        return {int(i): float(b) for i, b in bias.items()} or None

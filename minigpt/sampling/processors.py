@@ -1,5 +1,5 @@
 """Logits processors, each reproducing the matching transformers processor, batched with per-row values:
-penalties, the min_tokens mask, then temperature, top-k, top-p and min-p warping."""
+logit bias and allowed ids, penalties, the min_tokens mask, then temperature, top-k, top-p and min-p warping."""
 
 from __future__ import annotations
 
@@ -32,6 +32,28 @@ class SamplingRow(Protocol):
 
 def penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def biased(p: SamplingParams) -> bool:
+    return p.logit_bias is not None or p.allowed_token_ids is not None
+
+
+def bias(x: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Each row's logit_bias added to its ids, then every id outside its allowed_token_ids at -inf (out of
+    place); one indexed op per kind for the whole batch. Ids >= vocab (never sampled) are dropped."""
+    vocab = x.shape[1]
+    added = [{i: b for i, b in (p.logit_bias or {}).items() if i < vocab} for p in params]
+    if any(added):
+        values = tensor_like([b for row in added for b in row.values()], torch.float32, x)
+        x = x.index_put(_flat([list(row) for row in added], x), values, accumulate=True)
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if restricted:
+        blocked = torch.zeros_like(x, dtype=torch.bool)
+        blocked[tensor_like(restricted, torch.int64, x)] = True
+        allowed = [[t for t in p.allowed_token_ids or () if t < vocab] for p in params]
+        blocked[_flat(allowed, x)] = False
+        x = x.masked_fill(blocked, -math.inf)
+    return x
 
 
 def tensor_like(values: list, dtype: torch.dtype, like: Tensor) -> Tensor:

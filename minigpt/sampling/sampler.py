@@ -2,9 +2,10 @@
 
 The sampler turns one step's logits for a whole batch into next tokens in a single vectorized pass,
 with each row carrying its own parameters. Every transform reproduces the matching transformers
-logits processor, applied in transformers' order:
+logits processor, applied in transformers' order, after logit bias and allowed ids, which act on
+the raw logits first (as vLLM applies them):
 
-    repetition penalty -> presence/frequency penalties -> min_tokens mask
+    logit bias -> allowed ids -> repetition penalty -> presence/frequency penalties -> min_tokens mask
     -> temperature -> top-k -> top-p -> min-p -> sample (greedy rows: argmax of the penalised logits)
 """
 
@@ -19,7 +20,17 @@ from torch import Tensor
 
 from minigpt.sampling.generator import gumbel_argmax
 from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, is_int
-from minigpt.sampling.processors import SamplingRow, on_rows, penalise, penalised, suppress, tensor_like, warp
+from minigpt.sampling.processors import (
+    SamplingRow,
+    bias,
+    biased,
+    on_rows,
+    penalise,
+    penalised,
+    suppress,
+    tensor_like,
+    warp,
+)
 
 
 class TokenLogprobs(NamedTuple):
@@ -60,7 +71,7 @@ class Sampler:
         batch = self._batch(logits, rows)
         params, sampled = batch.params, batch.sampled
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not (sampled or asked or batch.penalised or any(batch.suppressed)):
+        if not (sampled or asked or batch.penalised or batch.biased or any(batch.suppressed)):
             # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
             return SamplerOutput(argmax(batch.logits.float()).tolist())
 
@@ -86,8 +97,8 @@ class Sampler:
     def process(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """The fp32 logits [len(rows), vocab_limit] each row draws from, filtered ids at -inf.
 
-        Every row gets its penalties and min_tokens mask; sampled rows then temperature, top-k, top-p
-        and min-p. Greedy rows take the argmax of this. Never modifies `logits`.
+        Every row gets its logit bias, allowed ids, penalties and min_tokens mask; sampled rows then
+        temperature, top-k, top-p and min-p. Greedy rows take the argmax of this. Never modifies `logits`.
         """
         return self._process(self._batch(logits, rows))
 
@@ -96,10 +107,13 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         params = [row.params for row in rows]
         return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
-                      any(penalised(p) for p in params), [i for i, p in enumerate(params) if not p.greedy])
+                      any(penalised(p) for p in params), any(biased(p) for p in params),
+                      [i for i, p in enumerate(params) if not p.greedy])
 
     def _process(self, batch: _Batch) -> Tensor:
         x = batch.logits.float()
+        if batch.biased:
+            x = bias(x, batch.params)
         if batch.penalised:
             x = penalise(x, batch.rows)
         if any(batch.suppressed):
@@ -122,6 +136,7 @@ class _Batch(NamedTuple):
     params: list[SamplingParams]
     suppressed: list[list[int]]  # per row: the ids it may not pick yet
     penalised: bool  # some row has a penalty
+    biased: bool  # some row has a logit_bias or allowed_token_ids
     sampled: list[int]  # the rows that are not greedy
 
 

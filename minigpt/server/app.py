@@ -23,7 +23,7 @@ from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
-from minigpt.server.errors import APIError, check_model, install_handlers, invalid
+from minigpt.server.errors import APIError, check_model, install_handlers
 from minigpt.server.middleware import BearerAuth, BodySizeLimit
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.tokenization import Tokenization
@@ -114,7 +114,7 @@ class CompletionServer:
                            headers={"Retry-After": "1"}) from None
         except (ValueError, TypeError) as err:
             where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
-            raise invalid(f"{where}{err}", "prompt") from None
+            raise protocol.params_error(err, where, "prompt") from None  # e.g. a logit_bias id past the vocab
         except RuntimeError as err:  # the engine is closed
             raise APIError(503, f"the engine is not running: {err}", "server_error") from None
         finally:

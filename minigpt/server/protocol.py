@@ -9,12 +9,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams, TokenLogprobs
-from minigpt.server.errors import invalid
+from minigpt.server.errors import APIError, invalid
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
@@ -22,6 +23,9 @@ Prompt = str | list[int]
 # request may not queue thousands of sequences ahead of every other
 MAX_N = 128
 MAX_CHOICES = 2048
+# OpenAI's logit_bias: token ids as strings of digits -> a bias in [-100, 100]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class StreamOptions(BaseModel):
@@ -50,7 +54,8 @@ class CompletionRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        None, description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")
     user: str | None = None
     # vLLM's extensions
     top_k: int | None = None
@@ -59,6 +64,7 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
 
     def prompts(self) -> list[Prompt]:
         """The prompt(s) as a list of texts or token-id lists, one engine request each."""
@@ -77,8 +83,6 @@ class CompletionRequest(BaseModel):
         """OpenAI defaults (max_tokens 16, temperature 1) where the request leaves a field out."""
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
         if self.n is not None and self.n > MAX_N:
             raise invalid(f"n must be at most {MAX_N} (completions per prompt), got {self.n}", "n")
         if self.best_of not in (None, self.n or 1):
@@ -108,19 +112,26 @@ class CompletionRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as err:
-            field = _FIELD.search(str(err))
-            param = field.group(1) if field else None
-            message = str(err).replace("SamplingParams.", "")
-            if param == "prompt_logprobs":  # set from logprobs when echo is on
-                param, message = "logprobs", message.replace("prompt_logprobs", "logprobs")
-            raise invalid(message, param) from None
+            raise params_error(err) from None
 
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def params_error(err: ValueError, where: str = "", default: str | None = None) -> APIError:
+    """A 400 for an error that names a SamplingParams field (else `default`), naming the request field."""
+    field = _FIELD.search(str(err))
+    param = field.group(1) if field else default
+    message = str(err).replace("SamplingParams.", "")
+    if param == "prompt_logprobs":  # set from logprobs when echo is on
+        param, message = "logprobs", message.replace("prompt_logprobs", "logprobs")
+    return invalid(f"{where}{message}", param)
 
 
 def completion_id() -> str:
