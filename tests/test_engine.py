@@ -472,5 +472,6 @@ def test_max_tokens_zero_scores_the_prompt_without_sampling(tiny_checkpoint, ref
 
 
 def test_max_tokens_zero_needs_prompt_logprobs():
-    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1 \(0 only with prompt_logprobs"):
+    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1, got 0"):
         SamplingParams(max_tokens=0)
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0

@@ -58,9 +58,8 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise _bad("max_tokens", self.max_tokens, "an int >= 1 (0 only with prompt_logprobs, to score a prompt)")
-        self.max_tokens = self._int("max_tokens", self.max_tokens, 0)
+        scoring = self.prompt_logprobs is not None  # max_tokens=0 then scores the prompt
+        self.max_tokens = self._int("max_tokens", self.max_tokens, 0 if scoring else 1)
         self.top_k = self._int("top_k", self.top_k, 0)
         self.n = self._int("n", self.n, 1)
         self.min_tokens = self._int("min_tokens", self.min_tokens, 0)
