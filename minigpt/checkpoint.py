@@ -7,10 +7,11 @@ serves: config.json, model.safetensors (HF Conv1D layout, [in, out]), vocab.json
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 
 from minigpt.config import GPT2Config
 from minigpt.model import GPT2
-from minigpt.weights import CONV1D_WEIGHTS, is_layernorm
+from minigpt.weights import CONV1D_WEIGHTS, HUB_FALLBACK_FILES, HUB_FILES, is_layernorm
 
 # n_layer, n_head, n_embd of the published GPT-2 family.
 PRESETS = {
@@ -91,10 +92,13 @@ def write_checkpoint(
     """Save `model` as a Hugging Face GPT-2 checkpoint directory that transformers loads too.
 
     The files are written into a temporary directory beside `path` and moved into place only once all
-    are written: a write that fails leaves `path` as it was."""
+    are written: a write that fails leaves `path` as it was. Over an existing checkpoint, every other file
+    a loader would read (other weight files, shards, generation_config.json, tokenizer files) goes, so
+    the directory holds this checkpoint alone; files no loader reads stay."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    partial = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
     try:
         tensors = {k: v.to(dtype) for k, v in hf_state_dict(model, layout).items()}
         save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
@@ -108,8 +112,13 @@ def write_checkpoint(
             partial.rename(path)
             return path
         path.mkdir(exist_ok=True)  # a file at `path` fails here, before anything is moved
-        for file in partial.iterdir():
-            os.replace(file, path / file.name)
+        written = {file.name for file in partial.iterdir()}
+        for file in path.iterdir():
+            stale = any(fnmatch.fnmatch(file.name, pattern) for pattern in HUB_FILES + HUB_FALLBACK_FILES)
+            if stale and file.name not in written and file.is_file():
+                file.unlink()
+        for name in written:
+            os.replace(partial / name, path / name)
         return path
     finally:
         shutil.rmtree(partial, ignore_errors=True)

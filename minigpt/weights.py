@@ -38,9 +38,9 @@ HUB_FILES = ["config.json", "generation_config.json", "vocab.json", "merges.txt"
              "added_tokens.json", "tokenizer_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
 HUB_FALLBACK_FILES = ["pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json"]
-# What the loader reads, in the order it prefers
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors",
-                "pytorch_model.bin.index.json", "pytorch_model.bin")
+# What the loader reads, in the order it prefers: transformers' order
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BLOCK = re.compile(r"h\.(\d+)\.")  # a transformer block's key, without the "transformer." prefix
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files

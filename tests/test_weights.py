@@ -118,10 +118,21 @@ def test_a_failed_checkpoint_write_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_writing_over_a_checkpoint_replaces_its_files(tmp_path):
+    """Every file a loader would read is the new checkpoint's: stale shards, an index (which a loader could
+    prefer), generation_config.json and tokenizer.json go; other files stay. The directory gets the
+    mode a plain mkdir gives."""
     path = write_checkpoint(random_model(GPT2Config(**TINY)), tmp_path / "ckpt", gpt2_vocab_files())
+    (tmp_path / "plain").mkdir()
+    assert path.stat().st_mode == (tmp_path / "plain").stat().st_mode
+    stale = ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "pytorch_model.bin",
+             "generation_config.json", "tokenizer.json"]
+    for name in stale:
+        (path / name).write_text("{}")
     (path / "notes.txt").write_text("kept")
     write_checkpoint(random_model(GPT2Config(**TINY), seed=5), path, gpt2_vocab_files())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "plain"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "merges.txt", "model.safetensors", "notes.txt",
+                                                       "vocab.json"]
     assert (path / "notes.txt").read_text() == "kept"
     _logits_match(path)
     reloaded = load_file(path / "model.safetensors")["transformer.wte.weight"]
@@ -298,7 +309,7 @@ def test_an_incomplete_directory_names_all_it_lacks(tmp_path, tiny_checkpoint):
         LLM(str(tmp_path / "empty"))
     assert str(empty.value) == (
         f"{tmp_path / 'empty'} is not a complete checkpoint: it has no config.json; no weights "
-        "(model.safetensors.index.json or model.safetensors or pytorch_model.bin.index.json or pytorch_model.bin); "
+        "(model.safetensors or model.safetensors.index.json or pytorch_model.bin or pytorch_model.bin.index.json); "
         "no tokenizer (tokenizer.json, or vocab.json and merges.txt). A write or download that stopped part way "
         "leaves such a directory: write or download it again"
     )
