@@ -63,6 +63,11 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     @property
+    def kv_cache_info(self) -> dict[str, int]:
+        """Pool size and use, as `LLM.kv_cache_info` (a snapshot: the engine thread may be mid-step)."""
+        return self.engine.kv_cache_info()
+
+    @property
     def is_running(self) -> bool:
         """True while the engine thread serves requests (False after close() or a crash of its loop)."""
         return not self._closed and self._thread.is_alive()

@@ -84,6 +84,12 @@ class Engine:
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
                                  f"[0, {self.vocab_limit})")
+        held_back = {*params.stop_token_ids, *self.eos_token_ids}  # what min_tokens suppresses
+        if params.min_tokens and params.allowed_token_ids and held_back.issuperset(params.allowed_token_ids):
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids holds only stop or EOS ids, which min_tokens={params.min_tokens} "
+                "holds back: no token could be picked"
+            )
         limit = self.model_config.n_positions
         if len(ids) + params.max_tokens > limit:
             raise ValueError(
@@ -118,6 +124,12 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def kv_cache_info(self) -> dict[str, int]:
+        """Pool size and use: blocks, tokens, bytes."""
+        pool = self.runner.pool
+        return {"num_blocks": self.blocks.num_blocks, "block_size": self.blocks.block_size,
+                "num_tokens": pool.num_tokens, "nbytes": pool.nbytes, "blocks_in_use": self.blocks.num_used}
 
     def num_running_requests(self) -> int:
         return len({seq.request_id for seq in self.scheduler.running})

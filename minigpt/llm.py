@@ -130,14 +130,7 @@ class LLM:
     @property
     def kv_cache_info(self) -> dict[str, int]:
         """Pool size and use: blocks, tokens, bytes."""
-        blocks = self.engine.blocks
-        return {
-            "num_blocks": blocks.num_blocks,
-            "block_size": blocks.block_size,
-            "num_tokens": self.engine.runner.pool.num_tokens,
-            "nbytes": self.engine.runner.pool.nbytes,
-            "blocks_in_use": blocks.num_used,
-        }
+        return self.engine.kv_cache_info()
 
     def close(self) -> None:
         """Free the KV pool and the compiled steps. The LLM cannot be used afterwards."""

@@ -108,6 +108,8 @@ def _assert_idle(llm: AsyncLLM) -> None:
     m = llm.metrics()
     assert m.kv_blocks_used == 0 and m.requests_running == 0 and m.requests_waiting == 0, m
     assert m.requests_total == m.requests_finished == sum(m.finish_reasons.values())
+    info = llm.kv_cache_info  # the same count, as LLM reports it
+    assert info["blocks_in_use"] == 0 and info["num_blocks"] == llm.engine.blocks.num_blocks
 
 
 def test_threads_submitting_at_once_get_what_they_get_alone(async_llm, alone):

@@ -475,3 +475,17 @@ def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1, got 0"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+
+
+def test_allowed_ids_that_min_tokens_holds_back_are_refused(tiny_checkpoint):
+    """Every allowed id an EOS or stop id under min_tokens: nothing could be picked, so the request is
+    refused instead of producing ids outside the allowed set."""
+    with LLM(str(tiny_checkpoint)) as llm:
+        for params in (SamplingParams(max_tokens=3, allowed_token_ids=[50256], min_tokens=2),
+                       SamplingParams(max_tokens=3, allowed_token_ids=[42], stop_token_ids=[42], min_tokens=3,
+                                      ignore_eos=True)):
+            with pytest.raises(ValueError, match="allowed_token_ids holds only stop or EOS ids"):
+                llm.generate("hi", params)
+        out = llm.generate("hi", SamplingParams(max_tokens=3, allowed_token_ids=[42, 50256], min_tokens=2))[0]
+        assert out.token_ids[:2] == [42, 42]
+        assert_all_free(llm)
