@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_check
 
 
 @pytest.mark.slow
-def test_every_compiled_graph_skips_the_guards_on_the_model(tiny_checkpoint, monkeypatch):
+def test_every_compiled_graph_skips_the_guards_on_the_model(tiny_checkpoint):
     """torch.compile pops `guard_filter_fn` from the options dict it is given: each compiled function
     needs a dict of its own, or all but the first check every weight's guards on every call (a lone
     prompt's step: ~40-80 us a call)."""
@@ -173,12 +174,10 @@ def test_every_compiled_graph_skips_the_guards_on_the_model(tiny_checkpoint, mon
     if skip is None:
         pytest.skip("guard filters need torch >= 2.7")
     filtered: list[set[str]] = []
-    monkeypatch.setattr(
-        torch.compiler, "skip_guard_on_all_nn_modules_unsafe",
-        lambda entries: filtered.append({entry.name for entry in entries}) or skip(entries),
-    )
-    with LLM(str(tiny_checkpoint), compile=True):  # warmup compiles every graph
-        pass
+    record = lambda entries: filtered.append({entry.name for entry in entries}) or skip(entries)  # noqa: E731
+    with mock.patch.object(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", record):
+        with LLM(str(tiny_checkpoint), compile=True):  # warmup compiles every graph
+            pass
     assert sum("kv_pool" in names for names in filtered) == 2  # decode steps: batch >= 2 and batch 1
     assert sum("positions" in names and "kv_pool" not in names for names in filtered) == 1  # a lone prompt
     assert sum("block" in names and "y" not in names for names in filtered) == 2  # before attention: T and 1 tokens
