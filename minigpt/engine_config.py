@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
@@ -99,6 +99,13 @@ def error_line(err: BaseException) -> str:
 def _flag(setting: Field) -> str | None:
     flag = setting.metadata["flag"]
     return "--" + setting.name.replace("_", "-") if flag == "" else flag
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The command lines' parser: a flag argparse refuses is one line on stderr, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

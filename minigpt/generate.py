@@ -16,7 +16,7 @@ import logging
 import re
 import sys
 
-from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args_from, error_line
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
 from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
 from minigpt.request import RequestOutput
@@ -32,7 +32,7 @@ SAMPLING_FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minigpt.generate", description="Generate text with GPT-2.")
+    parser = OneLineParser(prog="python -m minigpt.generate", description="Generate text with GPT-2.")
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text")

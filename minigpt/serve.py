@@ -9,26 +9,41 @@ Loads the model, then serves POST /v1/completions, GET /v1/models, /health and /
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
-from minigpt.engine_config import USER_ERRORS, add_engine_arguments, engine_args_from, error_line
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
 from minigpt.progress import log_to_stderr
 
 MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minigpt.serve", description="Serve GPT-2 over the OpenAI API.")
+    parser = OneLineParser(prog="python -m minigpt.serve", description="Serve GPT-2 over the OpenAI API.")
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--port", type=port_number, default=8000)
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)
     return parser
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number in [0, 65535], got {text!r}")
+    return int(text)
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind the address once before the model loads (minutes with --compile), as uvicorn will after."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+        probe.bind((host, port))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from minigpt.async_engine import AsyncLLM
 
+    try:
+        check_can_listen(args.host, args.port)
+    except OSError as err:
+        print(f"minigpt.serve: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        return 2
     log_to_stderr(args.log_level.upper())
     try:
         llm = AsyncLLM(args.model, **engine_args_from(args))

@@ -88,3 +88,21 @@ def test_corrupt_weights_and_offline_hub(tiny_checkpoint, tmp_path, capsys, monk
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["--model", "minigpt-test/not-cached", "--quiet"]) == 2
     assert "local checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+        (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+        (["--kv-cache-dtype", "float64"], "argument --kv-cache-dtype: invalid choice"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["--quiet"] + args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
+    assert err[0].endswith("(see --help)")

@@ -559,3 +559,22 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(served, reference):
     assert response.usage.completion_tokens == 0
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=0, echo=True)
     assert plain.choices[0].text == PROMPTS[1] and plain.choices[0].logprobs is None
+
+
+def test_cli_refuses_a_port_it_cannot_listen_on_before_loading(capsys):
+    """A port out of range, or one already taken, is one line and exit 2, before the model loads (here no
+    model could: the path does not exist, and its error never shows)."""
+    from minigpt import serve
+
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--model", "/no/such/dir", "--port", "99999"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a port is a number in [0, 65535], got '99999'" in err[0], err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve.main(["--model", "/no/such/dir", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"minigpt.serve: error: cannot listen on 127.0.0.1:{port}"), err
