@@ -1,21 +1,29 @@
 """`python -m minigpt.serve`: an OpenAI-compatible HTTP server for one GPT-2 model.
 
-    python -m minigpt.serve --model gpt2 [--port 8000 --api-key KEY --dtype bfloat16 ...]
+    python -m minigpt.serve --model gpt2 [--port 8000 --api-key KEY --chat-template FILE --dtype bfloat16 ...]
 
-Loads the model, then serves POST /v1/completions, GET /v1/models, /health and /metrics on
-127.0.0.1 (pass --host 0.0.0.0 to listen on every interface). Needs the `server` extra.
+Loads the model, then serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, the
+tokenizer endpoints, /health and /metrics on 127.0.0.1 (pass --host 0.0.0.0 to listen on every
+interface). Needs the `server` extra.
+
+On SIGTERM (or Ctrl-C) it stops accepting connections, lets the requests in flight finish for up to
+--shutdown-timeout seconds, cancels those still running (their KV pages freed) and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
+from pathlib import Path
 
 from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
 from minigpt.progress import log_to_stderr
+from minigpt.weights import resolve_checkpoint
 
-MISSING_EXTRA = 'the server needs FastAPI and uvicorn: pip install "minigpt[server]"'
+MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
+    http.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                      help="Jinja chat template for /v1/chat/completions (default: the checkpoint's, if it has one)")
+    http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                      help="on SIGTERM, how long requests in flight may run before they are cancelled (%(default)s)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)
     return parser
@@ -51,10 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be a positive number of bytes")
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
+        import jinja2  # noqa: F401  (chat templates)
         import uvicorn
 
         from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+        from minigpt.server.chat_template import ChatTemplate
     except ImportError as err:
         print(f"minigpt.serve: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
         return 2
@@ -67,15 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_to_stderr(args.log_level.upper())
     try:
+        template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
         llm = AsyncLLM(args.model, **engine_args_from(args))
     except USER_ERRORS as err:
         print(f"minigpt.serve: error: {error_line(err)}", file=sys.stderr)
         return 2
     try:
         app = build_app(llm, args.served_model_name or args.model, args.api_key,
-                        args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-        # open streams get a few seconds to end on shutdown, then close() aborts what is left
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+                        args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, template)
+        # uvicorn drains on SIGTERM/SIGINT, then raises the signal again: by then it only means a clean exit
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        # past the timeout uvicorn cancels the requests still running, and close() aborts what is left
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         llm.close()
     return 0

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's /v1/completions and /v1/models, vLLM's /tokenize, /detokenize and
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's /tokenize, /detokenize and
 /tokenizer_info, plus /health and /metrics.
 
 Each prompt of a request becomes one `AsyncLLM` request, so it joins the running batch at the
@@ -10,9 +10,7 @@ leaving a stream (Starlette cancels the generator when the client disconnects) o
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,25 +18,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minigpt import __version__
 from minigpt.async_engine import AsyncLLM, QueueFullError
 from minigpt.request import RequestOutput
-from minigpt.request_handle import RequestHandle, StreamDelta
+from minigpt.request_handle import RequestHandle
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
+from minigpt.server.chat import ChatServer
+from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, install_handlers
 from minigpt.server.middleware import BearerAuth, BodySizeLimit
 from minigpt.server.protocol import CompletionRequest
+from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.server.tokenization import Tokenization
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-T = TypeVar("T")
 
 
 def build_app(
-    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    chat_template: ChatTemplate | None = None,
 ) -> FastAPI:
     """An app serving `llm` under `model_name`; with `api_key`, /v1 and the tokenizer endpoints ask for
-    `Authorization: Bearer <key>`."""
+    `Authorization: Bearer <key>`. Without `chat_template`, /v1/chat/completions answers 400."""
     app = FastAPI(title="minigpt", version=__version__)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -47,6 +48,8 @@ def build_app(
     server = CompletionServer(llm, model_name)
     v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/chat/completions", ChatServer(server, chat_template).chat_completions, methods=["POST"],
+                     response_model=None)
     v1.add_api_route("/models", server.models, methods=["GET"])
     app.include_router(v1)
     # vLLM's paths: at the root, where lm-eval looks for them beside <root>/v1/completions
@@ -85,25 +88,25 @@ class CompletionServer:
         check_model(body.model, self.model_name)
         params = body.sampling_params()
         prompts = body.prompts()
-        handles = self._submit(prompts, params)
+        handles = self.submit(prompts, params)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            outputs = await _unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
+            outputs = await unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
         finally:
             for handle in handles:
                 handle.cancel()  # a no-op for finished requests
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        self._raise_failures(handles)
+        self.raise_failures(handles)
         tokenizer = self.llm.tokenizer
         choices = [c for i, out in enumerate(outputs)
                    for c in protocol.completion_choices(out, i * params.n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams) -> list[RequestHandle]:
+    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams) -> list[RequestHandle]:
         """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
         handles: list[RequestHandle] = []
         try:
@@ -124,7 +127,7 @@ class CompletionServer:
         return handles
 
     @staticmethod
-    def _raise_failures(handles: list[RequestHandle]) -> None:
+    def raise_failures(handles: list[RequestHandle]) -> None:
         error = next((h.error for h in handles if h.error), None)
         if error is not None:
             raise APIError(500, f"generation failed: {error}", "server_error")
@@ -145,11 +148,11 @@ class CompletionServer:
                 for i, prompt in enumerate(prompts):
                     text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
                     for j in range(n):
-                        yield _event({**header, "choices": [protocol.choice(i * n + j, text, None)]})
-            async for i, delta in _merged(handles):
+                        yield event({**header, "choices": [protocol.choice(i * n + j, text, None)]})
+            async for i, delta in merged(handles):
                 if delta.finish_reason == "error":
                     error = APIError(500, f"generation failed: {handles[i].error or 'engine error'}", "server_error")
-                    yield _event(error.body())
+                    yield event(error.body())
                     continue
                 index = i * n + delta.index
                 logprobs = None
@@ -159,66 +162,11 @@ class CompletionServer:
                     logprobs = writers[index].write(delta.token_ids, delta.logprobs)
                 if delta.text or delta.finished or logprobs is not None:
                     choice = protocol.choice(index, delta.text, delta.finish_reason, logprobs)
-                    yield _event({**header, "choices": [choice]})
+                    yield event({**header, "choices": [choice]})
             if include_usage:
                 outputs: list[RequestOutput] = [await h.wait() for h in handles]
-                yield _event({**header, "choices": [], "usage": protocol.usage(outputs)})
+                yield event({**header, "choices": [], "usage": protocol.usage(outputs)})
             yield "data: [DONE]\n\n"
         finally:  # the client went away (Starlette cancels this generator) or the stream ended
             for handle in handles:
                 handle.cancel()
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:
-    """(prompt index, delta) from every handle as soon as each arrives."""
-    if len(handles) == 1:
-        async for delta in handles[0]:
-            yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, handle: RequestHandle) -> None:
-        try:
-            async for delta in handle:
-                queue.put_nowait((i, delta))
-        except Exception as err:
-            queue.put_nowait((i, err))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()  # cancelling the waits cancels the engine requests
-    return task.result() if task.done() and not task.cancelled() else None
-
-
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

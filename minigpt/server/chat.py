@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions: messages rendered by the chat template, then generated as a completion.
+
+The request's sampling fields are those of /v1/completions and go through its mapping
+(`CompletionRequest.sampling_params`), so both endpoints accept and refuse the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from minigpt.request import RequestOutput
+from minigpt.request_handle import RequestHandle
+from minigpt.sampling import TokenLogprobs
+from minigpt.server import protocol
+from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
+from minigpt.server.errors import APIError, check_model, invalid
+from minigpt.server.protocol import Bias, CompletionRequest, StreamOptions, TokenIdKey
+from minigpt.server.streams import event, merged, unless_disconnected
+from minigpt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from minigpt.server.app import CompletionServer
+
+NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template FILE (a Jinja template, "
+               "as transformers' apply_chat_template takes), or use /v1/completions")
+# The fields a chat request passes on to the completions mapping unchanged
+SHARED_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "stream",
+                 "stream_options", "logit_bias", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                 "stop_token_ids", "min_tokens", "allowed_token_ids")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` is text or a list of text parts (joined with newlines, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completions body with vLLM's extensions; null means the default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, description="default: the rest of the context")
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        None, description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
+
+    def completion(self, prompt: list[int], context_left: int) -> CompletionRequest:
+        """The completions request this chat request amounts to, for the prompt's token ids."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        fields = {name: getattr(self, name) for name in SHARED_FIELDS}
+        return CompletionRequest.model_construct(
+            prompt=prompt, max_tokens=max(context_left, 1) if max_tokens is None else max_tokens,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **fields)
+
+
+class ChatServer:
+    """/v1/chat/completions over the completions server's engine, with `template` (None: every call is a 400)."""
+
+    def __init__(self, completions: CompletionServer, template: ChatTemplate | None) -> None:
+        self.completions = completions
+        self.template = template
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response | dict:
+        server = self.completions
+        check_model(body.model, server.model_name)
+        if self.template is None:
+            raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
+        try:
+            text = self.template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
+                                        **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as err:
+            raise invalid(str(err), "messages") from None
+        tokenizer = server.llm.tokenizer
+        prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        if not prompt:
+            raise invalid("the chat template rendered the messages as an empty prompt", "messages")
+        context_left = server.llm.engine.model_config.n_positions - len(prompt)
+        completion = body.completion(prompt, context_left)
+        params = completion.sampling_params()
+        completion.prompts()  # the request-size checks of /v1/completions
+        handles = server.submit([prompt], params)
+        top = body.top_logprobs or 0
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(handles[0], params.n, top, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            out = await unless_disconnected(request, handles[0].wait())
+        finally:
+            handles[0].cancel()  # a no-op for a finished request
+        if out is None:
+            return Response(status_code=499)  # nobody is listening
+        server.raise_failures(handles)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
+                    "finish_reason": c.finish_reason} for c in out.outputs]
+        return {**self._header("chat.completion"), "choices": choices, "usage": protocol.usage([out])}
+
+    def _header(self, kind: str) -> dict:
+        return {"id": f"chatcmpl-{protocol.completion_id().removeprefix('cmpl-')}", "object": kind,
+                "created": protocol.now(), "model": self.completions.model_name}
+
+    async def _stream(self, handle: RequestHandle, n: int, top: int, include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's chunks: each choice's role first, then its content deltas (with their logprobs), the last
+        with its finish_reason; then usage if asked, then [DONE]."""
+        header = self._header("chat.completion.chunk")
+        tokenizer = self.completions.llm.tokenizer
+        try:
+            for index in range(n):
+                yield event({**header, "choices": [chunk_choice(index, {"role": "assistant", "content": ""})]})
+            async for _, delta in merged([handle]):
+                if delta.finish_reason == "error":
+                    yield event(APIError(500, f"generation failed: {handle.error or 'engine error'}",
+                                         "server_error").body())
+                    continue
+                logprobs = None
+                if delta.logprobs is not None and delta.token_ids:
+                    logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, top)
+                if delta.text or delta.finished or logprobs is not None:
+                    content = {"content": delta.text} if delta.text else {}
+                    yield event({**header, "choices": [chunk_choice(delta.index, content, delta.finish_reason,
+                                                                    logprobs)]})
+            if include_usage:
+                out: RequestOutput = await handle.wait()
+                yield event({**header, "choices": [], "usage": protocol.usage([out])})
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (Starlette cancels this generator) or the stream ended
+            handle.cancel()
+
+
+def chunk_choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], top: int) -> dict:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the `top` most likely tokens."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.decode_bytes([token_id])
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    content = []
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
+        ranked = sorted(lp.top.items(), key=lambda item: -item[1])[:top]
+        content.append({**entry(token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in ranked]})
+    return {"content": content}

@@ -1,0 +1,69 @@
+"""Server-sent events and client presence: the pieces every streaming or waiting endpoint shares."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from minigpt.request_handle import RequestHandle, StreamDelta
+
+T = TypeVar("T")
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(prompt index, delta) from every handle as soon as each arrives."""
+    if len(handles) == 1:
+        async for delta in handles[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle:
+                queue.put_nowait((i, delta))
+        except Exception as err:
+            queue.put_nowait((i, err))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # cancelling the waits cancels the engine requests
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

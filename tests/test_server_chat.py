@@ -1,0 +1,226 @@
+"""/v1/chat/completions: templates render as transformers' apply_chat_template renders them, the endpoint
+answers the official openai client (streaming and not) with what LLM.generate makes of the rendered
+prompt, and a model without a template gets a 400 that says how to give one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from test_server import MODEL, N_POSITIONS, Served, generate, run_server, wait_idle
+
+from minigpt import LLM, AsyncLLM
+from minigpt.server.app import build_app
+from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
+
+transformers = pytest.importorskip("transformers")
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Llama-2's shape: roles must alternate, the system prompt folds into the first user turn, BOS/EOS variables
+ALTERNATING = """{% if messages[0]['role'] == 'system' %}
+    {% set system = messages[0]['content'] %}{% set loop_messages = messages[1:] %}
+{% else %}
+    {% set system = none %}{% set loop_messages = messages %}
+{% endif %}
+{% for message in loop_messages %}
+    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {% endif %}
+    {% if message['role'] == 'user' %}
+        {{ bos_token + '[INST] ' + ((system + '\n\n') if loop.first and system else '') + message['content'] | trim
+           + ' [/INST]' }}
+    {% else %}
+        {{ ' ' + message['content'] | trim + ' ' + eos_token }}
+    {% endif %}
+{% endfor %}"""
+# tojson (no HTML escaping), namespace, loop controls, a {% generation %} block, whitespace control
+FEATURES = """{%- set ns = namespace(users=0) -%}
+{%- for message in messages -%}
+    {%- if message.role == 'tool' %}{% continue %}{% endif -%}
+    {%- if message.role == 'user' %}{% set ns.users = ns.users + 1 %}{% endif %}
+<{{ message.role }} n={{ ns.users }}>{{ message | tojson }}
+    {%- if message.role == 'assistant' %}{% generation %}{{ message.content }}{% endgeneration %}{% endif %}
+{% endfor -%}
+{%- if add_generation_prompt -%}<assistant>{%- endif -%}"""
+TEMPLATES = {"chatml": CHATML, "alternating": ALTERNATING, "features": FEATURES}
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "Be brief & <polite>."}, {"role": "user", "content": "日本語 🎉 \"quoted\""},
+     {"role": "assistant", "content": "  Sure.  "}, {"role": "user", "content": "Again?"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|endoftext|>x"},
+     {"role": "tool", "content": "skipped"}, {"role": "user", "content": "x\ty"}],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory) -> Path:
+    return checkpoint_factory(n_positions=N_POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    return transformers.GPT2TokenizerFast.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> Iterator[LLM]:
+    with LLM(str(checkpoint)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Iterator[AsyncLLM]:
+    with AsyncLLM(str(checkpoint), kv_cache_tokens=8192) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def served(engine) -> Iterator[Served]:
+    with run_server(build_app(engine, MODEL, chat_template=ChatTemplate(CHATML))) as url:
+        yield Served(url, engine)
+
+
+@pytest.fixture(scope="module")
+def untemplated(engine) -> Iterator[Served]:
+    with run_server(build_app(engine, MODEL)) as url:
+        yield Served(url, engine)
+
+
+# -- rendering, equal to transformers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rendering_equals_apply_chat_template(hf, name, conversation, add_generation_prompt):
+    messages = CONVERSATIONS[conversation]
+    hf.chat_template = TEMPLATES[name]
+    try:
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # the template's raise_exception: ours must refuse the same conversation
+        with pytest.raises(ChatTemplateError, match="must alternate"):
+            ChatTemplate(TEMPLATES[name]).render(messages, add_generation_prompt)
+        assert "must alternate" in str(err)
+        return
+    assert ChatTemplate(TEMPLATES[name]).render(messages, add_generation_prompt) == want
+
+
+def test_template_comes_from_the_checkpoint_or_a_file(checkpoint, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert ChatTemplate.for_checkpoint(plain) is None  # GPT-2 ships none
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "</s>"}))
+    template = ChatTemplate.for_checkpoint(config)
+    assert template.source == CHATML and template.special_tokens["eos_token"] == "</s>"
+    (config / "chat_template.jinja").write_text(FEATURES)  # transformers' own file wins over the config's
+    assert ChatTemplate.for_checkpoint(config).source == FEATURES
+    file = tmp_path / "t.jinja"
+    file.write_text(ALTERNATING)
+    assert ChatTemplate.for_checkpoint(config, file).source == ALTERNATING
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        ChatTemplate("{% for %}")
+
+
+# -- the endpoint -----------------------------------------------------------------------------------
+
+
+def rendered_ids(reference: LLM, messages: list[dict]) -> list[int]:
+    return reference.tokenizer.encode(ChatTemplate(CHATML).render(messages), add_special_tokens=False)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(served, reference):
+    response = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12,
+                                                       temperature=0)
+    want = generate(reference, rendered_ids(reference, MESSAGES), max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content == want.text
+    assert choice.finish_reason == want.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert response.usage.completion_tokens == len(want.token_ids)
+    wait_idle(served.llm)
+
+
+def test_streamed_chat_joins_to_the_same_text(served, reference):
+    want = generate(reference, rendered_ids(reference, MESSAGES), max_tokens=10, temperature=0, ignore_eos=True)
+    stream = served.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    wait_idle(served.llm)
+
+
+def test_n_logprobs_and_stop(served, reference):
+    prompt = rendered_ids(reference, MESSAGES)
+    response = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=3,
+                                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    want = generate(reference, prompt, max_tokens=6, n=2, seed=3, logprobs=2, temperature=1.0)
+    for choice, out in zip(response.choices, want.outputs, strict=True):
+        assert choice.message.content == out.text
+        content = choice.logprobs.content
+        assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+                   for e in content)
+        assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in content) == out.text
+    greedy = generate(reference, prompt, max_tokens=20, temperature=0, ignore_eos=True)
+    stop = greedy.text[len(greedy.text) // 2:][:2]
+    if stop:
+        stopped = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                                          temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+        assert stopped.choices[0].message.content == greedy.text[:greedy.text.index(stop)]
+    wait_idle(served.llm)
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
+    ({"messages": [{"role": "user"}]}, "messages", "has no attribute 'content'"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1}, "max_tokens",
+     "not both"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature", "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, "prompt", "context"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages", "messages"),
+])
+def test_bad_chat_requests_get_openai_errors(served, body, param, says):
+    import httpx
+
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400, error
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_template_errors_are_400s(served):
+    alternating = ChatTemplate(ALTERNATING)
+    with run_server(build_app(served.llm, MODEL, chat_template=alternating)) as url:
+        client = Served(url, served.llm).client()
+        with pytest.raises(openai.BadRequestError, match="must alternate") as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "x"}])
+        assert refused.value.body["param"] == "messages"
+
+
+def test_no_template_gets_a_400_that_says_how_to_give_one(untemplated):
+    with pytest.raises(openai.BadRequestError) as refused:
+        untemplated.client().chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert refused.value.status_code == 400
+    assert "--chat-template FILE" in refused.value.body["message"]
+    assert refused.value.body["code"] == "chat_template_missing"
