@@ -13,7 +13,6 @@ On SIGTERM (or Ctrl-C) it stops accepting connections, lets the requests in flig
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -67,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
         import jinja2  # noqa: F401  (chat templates)
-        import uvicorn
 
         from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
         from minigpt.server.chat_template import ChatTemplate
+        from minigpt.server.shutdown import serve
     except ImportError as err:
         print(f"minigpt.serve: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
         return 2
@@ -91,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_app(llm, args.served_model_name or args.model, args.api_key,
                         args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, template)
-        # uvicorn drains on SIGTERM/SIGINT, then raises the signal again: by then it only means a clean exit
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
-        # past the timeout uvicorn cancels the requests still running, and close() aborts what is left
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout)
     finally:
         llm.close()
     return 0

@@ -1,0 +1,46 @@
+"""Graceful shutdown for `python -m minigpt.serve`: on SIGTERM or SIGINT, stop accepting, drain, exit.
+
+uvicorn stops listening and waits for the requests in flight. Past the grace period the engine is
+closed: every request still running ends with finish_reason "abort" (its KV pages freed), so streams
+finish with a last chunk and [DONE] rather than a cut connection, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import uvicorn
+from fastapi import FastAPI
+
+from minigpt.async_engine import AsyncLLM
+
+# uvicorn's own cancel of the tasks still open, a backstop once the engine has ended every request
+BACKSTOP_SECONDS = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown closes `llm` once `grace` seconds have passed."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, grace: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self.grace, lambda: loop.run_in_executor(None, self.llm.close))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
+def serve(app: FastAPI, llm: AsyncLLM, host: str, port: int, log_level: str, grace: float) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then drain for up to `grace` seconds; returns normally."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace + BACKSTOP_SECONDS)
+    # uvicorn raises the signal it drained on once more as it returns: by then it only means a clean exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    DrainingServer(config, llm, grace).run()
