@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP front of minigpt (`python -m minigpt.serve`).
 
     protocol.py   the /v1/completions request schema, its mapping to SamplingParams, response shapes
+    chat.py       /v1/chat/completions: its request schema, chunks and logprobs, over the completions mapping
+    chat_template.py  Jinja chat templates rendered as transformers' apply_chat_template renders them
+    streams.py    server-sent events, merged deltas, client disconnects
+    shutdown.py   graceful shutdown: drain the requests in flight, then abort the rest
     errors.py     OpenAI-style error bodies and the exception handlers that produce them
     tokenization.py vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)
     middleware.py ASGI middleware: API key, request body size limit
     app.py        the FastAPI app: routes, streaming, cancellation on disconnect
 
-Needs the optional `server` extra (FastAPI + uvicorn): pip install "minigpt[server]".
+Needs the optional `server` extra (FastAPI, uvicorn, jinja2): pip install "minigpt[server]".
 """
