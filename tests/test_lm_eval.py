@@ -58,10 +58,12 @@ def task_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def evaluate(lm_eval, task_dir: Path, model: str, model_args: str) -> dict[str, dict[str, float]]:
+def evaluate(lm_eval, task_dir: Path, model) -> dict[str, dict[str, float]]:
+    """`model`: a name and its model_args, or an LM built already."""
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(TASKS),
+    name, args = model if isinstance(model, tuple) else (model, None)
+    out = lm_eval.simple_evaluate(model=name, model_args=args, tasks=list(TASKS),
                                   task_manager=TaskManager(include_path=str(task_dir)), batch_size=4,
                                   log_samples=False, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
     return {task: {m: out["results"][task][f"{m},none"] for m in METRICS[task]} for task in TASKS}
@@ -70,11 +72,15 @@ def evaluate(lm_eval, task_dir: Path, model: str, model_args: str) -> dict[str, 
 @pytest.mark.slow
 def test_local_completions_through_the_server_equals_the_hf_backend(lm_eval, task_dir, checkpoint_factory):
     checkpoint = checkpoint_factory(n_positions=128)
-    want = evaluate(lm_eval, task_dir, "hf", f"pretrained={checkpoint},dtype=float32,device=cpu")
+    from lm_eval.api.registry import get_model
+
+    want = evaluate(lm_eval, task_dir, ("hf", f"pretrained={checkpoint},dtype=float32,device=cpu"))
     proc, url = start_server(checkpoint)
     try:
-        got = evaluate(lm_eval, task_dir, "local-completions",
-                       f"model={MODEL},base_url={url}/v1/completions,num_concurrent=2,max_retries=1")
+        served = get_model("local-completions").create_from_arg_string(
+            f"model={MODEL},base_url={url}/v1/completions,num_concurrent=2,max_retries=1")
+        assert type(served.tokenizer).__name__ == "RemoteTokenizer"  # the server's /tokenize, found by itself
+        got = evaluate(lm_eval, task_dir, served)
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0

@@ -20,7 +20,7 @@ from minigpt import AsyncLLM
 from minigpt.server.app import build_app
 from minigpt.server.shutdown import DrainingServer
 
-LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "n": 2, "temperature": 0,
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "n": 2, "temperature": 0,
         "ignore_eos": True, "stream": True}
 
 
@@ -33,7 +33,7 @@ def start_server(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port), "--threads", "1",
-         "--served-model-name", MODEL, "--log-level", "info", *flags],
+         "--served-model-name", MODEL, "--kv-cache-tokens", "16384", "--log-level", "info", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(6000):
