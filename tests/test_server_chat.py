@@ -190,6 +190,21 @@ def test_n_logprobs_and_stop(served, reference):
     wait_idle(served.llm)
 
 
+def test_streamed_choices_and_logprobs_join_to_the_unstreamed_ones(served):
+    params = dict(model=MODEL, messages=MESSAGES, max_tokens=8, n=2, seed=5, logprobs=True, top_logprobs=1)
+    whole = served.client().chat.completions.create(**params)
+    chunks = list(served.client().chat.completions.create(**params, stream=True))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        streamed = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in choice.logprobs.content]
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in choice.logprobs.content], abs=1e-5)
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    wait_idle(served.llm)
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"messages": []}, "messages", "at least 1"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
@@ -207,6 +222,18 @@ def test_bad_chat_requests_get_openai_errors(served, body, param, says):
     error = response.json()["error"]
     assert response.status_code == 400, error
     assert error["param"] == param and says in error["message"], error
+
+
+def test_template_variables_do_not_replace_the_request_fields(served, reference):
+    """chat_template_kwargs add variables; messages and add_generation_prompt stay the request's."""
+    import httpx
+
+    body = {"messages": MESSAGES, "max_tokens": 1, "add_generation_prompt": False,
+            "chat_template_kwargs": {"messages": 1, "add_generation_prompt": True, "eos_token": "x"}}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    want = ChatTemplate(CHATML).render(MESSAGES, add_generation_prompt=False)
+    assert response.json()["usage"]["prompt_tokens"] == len(reference.tokenizer.encode(want))
 
 
 def test_template_errors_are_400s(served):

@@ -120,7 +120,7 @@ class ChatServer:
             raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
         try:
             text = self.template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                        **(body.chat_template_kwargs or {}))
+                                        body.chat_template_kwargs)
         except ChatTemplateError as err:
             raise invalid(str(err), "messages") from None
         tokenizer = server.llm.tokenizer

@@ -59,16 +59,18 @@ class ChatTemplate:
             raise ValueError(f"{config_file}: chat_template must be a string or a list of named templates")
         return cls(source, special)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               variables: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages`; keys whose value is None are dropped first, as transformers does.
-        `kwargs` are more template variables (vLLM's chat_template_kwargs); they override the special tokens."""
+        `variables` are more for the template (vLLM's chat_template_kwargs); they override the special tokens,
+        not the messages nor add_generation_prompt."""
         import jinja2
 
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        variables = {**self.special_tokens, **kwargs}
+        context = {**self.special_tokens, **(variables or {}), "messages": messages, "tools": None,
+                   "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(context)
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
