@@ -16,7 +16,7 @@ from minigpt.tokenizer import Tokenizer
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's text form of /tokenize (its chat form, `messages`, needs a chat template: none here)."""
+    """vLLM's text form of /tokenize (its chat form, `messages`, is not supported)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -30,7 +30,7 @@ class TokenizeRequest(BaseModel):
     def _no_chat_form(cls, data: Any) -> Any:
         if isinstance(data, dict) and "messages" in data:
             # an APIError, not a ValueError: pydantic passes it on to the app's handler as it is
-            raise invalid("only the prompt form of /tokenize is supported: this server has no chat template",
+            raise invalid("only the prompt form of /tokenize is supported (not its chat form, messages)",
                           "messages")
         return data
 
