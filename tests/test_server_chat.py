@@ -236,6 +236,21 @@ def test_template_variables_do_not_replace_the_request_fields(served, reference)
     assert response.json()["usage"]["prompt_tokens"] == len(reference.tokenizer.encode(want))
 
 
+def test_openapi_schema_describes_the_chat_fields(served):
+    import httpx
+
+    from minigpt.server.chat import SHARED_FIELDS
+    from minigpt.server.protocol import CompletionRequest
+
+    schema = httpx.get(f"{served.url}/openapi.json").json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/ChatCompletionRequest")
+    fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs"} | set(SHARED_FIELDS) <= set(
+        fields)
+    assert set(SHARED_FIELDS) <= set(CompletionRequest.model_fields)  # each passed on under its own name
+
+
 def test_template_errors_are_400s(served):
     alternating = ChatTemplate(ALTERNATING)
     with run_server(build_app(served.llm, MODEL, chat_template=alternating)) as url:
@@ -251,3 +266,35 @@ def test_no_template_gets_a_400_that_says_how_to_give_one(untemplated):
     assert refused.value.status_code == 400
     assert "--chat-template FILE" in refused.value.body["message"]
     assert refused.value.body["code"] == "chat_template_missing"
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def test_cli_serves_chat_with_a_template_file(checkpoint, tmp_path):
+    from test_server_shutdown import start_server
+
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    proc, url = start_server(checkpoint, "--chat-template", str(template))
+    try:
+        client = Served(url, None).client()
+        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
+        assert response.usage.completion_tokens == 3 or response.choices[0].finish_reason == "stop"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize(("write", "says"), [(None, "No such file"), ("{% if %}", "not valid Jinja")])
+def test_cli_refuses_a_bad_template_before_loading(checkpoint, tmp_path, capsys, write, says):
+    from test_server import free_port
+
+    from minigpt import serve
+
+    template = tmp_path / "t.jinja"
+    if write is not None:
+        template.write_text(write)
+    assert serve.main(["--model", str(checkpoint), "--port", str(free_port()), "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("minigpt.serve: error:") and says in err[0], err
