@@ -4,11 +4,12 @@ from minigpt.async_engine import AsyncLLM, QueueFullError
 from minigpt.llm import LLM
 from minigpt.request import CompletionOutput, RequestOutput
 from minigpt.request_handle import RequestHandle, StreamDelta
-from minigpt.sampling import SamplingParams
+from minigpt.sampling import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "AsyncLLM",

@@ -18,10 +18,11 @@ import torch
 
 from minigpt.config import eos_token_ids
 from minigpt.engine_config import EngineConfig
+from minigpt.grammar import compiler_for, fill_bitmask
 from minigpt.kv_cache import BlockManager
 from minigpt.request import Prompt, Request
 from minigpt.runner import ModelRunner, StepInputs
-from minigpt.sampling import Sampler, SamplingParams, prompt_logprobs
+from minigpt.sampling import GrammarMask, Sampler, SamplingParams, prompt_logprobs
 from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
@@ -102,12 +103,17 @@ class Engine:
                 f"the KV pool holds {self.runner.pool.num_tokens} tokens but this request needs {needed}; "
                 "raise kv_cache_tokens"
             )
+        compiler = None
+        if params.structured_outputs is not None:
+            compiler = compiler_for(self.tokenizer)
+            compiler.compile(params.structured_outputs)  # a bad grammar is refused here
         request = Request(next(self._ids), text, ids, params)
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
+            grammar = compiler.matcher(params.structured_outputs) if compiler is not None else None
             request.seqs.append(
-                Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, limit)
+                Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, limit, grammar)
             )
         return request
 
@@ -184,12 +190,20 @@ class Engine:
             return scored
         if inputs.prompt_logprob_rows:  # logits also hold prompt positions: keep the sampled rows
             logits = logits[to_device(inputs.sample_rows, torch.int64, self.runner.device)]
-        out = self.sampler(logits, sampled)
+        out = self.sampler(logits, sampled, self._grammar_mask(sampled))
         for seq, token, lp in zip(sampled, out.token_ids, out.logprobs or [None] * len(sampled), strict=True):
             seq.append(token, lp)
             if seq.finished:
                 self.scheduler.finish(seq)
         return scored + sampled
+
+    @staticmethod
+    def _grammar_mask(sampled: list[Sequence]) -> GrammarMask | None:
+        """The tokens each structured-output sequence's grammar allows next, or None when none has one."""
+        rows = [i for i, seq in enumerate(sampled) if seq.grammar is not None]
+        if not rows:
+            return None
+        return GrammarMask(rows, fill_bitmask([sampled[i].grammar for i in rows]))
 
     def close(self) -> None:
         """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""

@@ -11,9 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from minigpt.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -42,6 +46,7 @@ class Sequence:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,6 +73,8 @@ class Sequence:
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
         self._max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
+        self.grammar = grammar  # structured outputs: advanced by every token appended
+        self._eos_ids = set(eos_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -94,13 +101,22 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        if token_id in self._stop_ids and len(self.output_token_ids) > self.params.min_tokens:
+        grammar_done = False
+        if self.grammar is not None:
+            if not self.grammar.advance(token_id):
+                self.fail(f"token {token_id} does not fit the structured output's grammar: {self.grammar.error}")
+                return
+            grammar_done = self.grammar.complete
+        stopped = token_id in self._stop_ids or (grammar_done and token_id in self._eos_ids)
+        if stopped and len(self.output_token_ids) > self.params.min_tokens:
             self._finish("stop", self._decoder.flush())
             return
         self._extend_text(self._decoder.feed(token_id))
         if self.finished:
             return
-        if len(self.token_ids) >= self._max_len:
+        if grammar_done:
+            self._finish("stop", self._decoder.flush())
+        elif len(self.token_ids) >= self._max_len:
             self._finish("length", self._decoder.flush())
 
     def _extend_text(self, delta: str) -> None:

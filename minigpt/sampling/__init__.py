@@ -1,6 +1,8 @@
 """Sampling: what a request asks for, and how the next token of every running sequence is picked.
 
     params.py      SamplingParams, checked and normalised when built
+    structured.py  StructuredOutputsParams: the JSON schema, regex, choice or grammar an output obeys
+    bitmask.py     token bitmasks (a grammar's allowed tokens) applied to a batch's logits
     processors.py  the logits processors (logit bias, allowed ids, penalties, min_tokens mask, temperature,
                    top-k, top-p, min-p)
     generator.py   the counter-based random generator: Gumbel noise keyed by (seed, step, id)
@@ -10,16 +12,27 @@
 from minigpt.sampling.generator import gumbel_argmax, gumbel_noise, row_keys
 from minigpt.sampling.params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 from minigpt.sampling.processors import SamplingRow
-from minigpt.sampling.sampler import ARGMAX_BLOCK, Sampler, SamplerOutput, TokenLogprobs, argmax, prompt_logprobs
+from minigpt.sampling.sampler import (
+    ARGMAX_BLOCK,
+    GrammarMask,
+    Sampler,
+    SamplerOutput,
+    TokenLogprobs,
+    argmax,
+    prompt_logprobs,
+)
+from minigpt.sampling.structured import StructuredOutputsParams
 
 __all__ = [
     "ARGMAX_BLOCK",
     "GREEDY_BELOW",
+    "GrammarMask",
     "MAX_LOGPROBS",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
     "SamplingRow",
+    "StructuredOutputsParams",
     "TokenLogprobs",
     "argmax",
     "gumbel_argmax",

@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.sampling.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, per token (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
@@ -35,7 +37,9 @@ class SamplingParams:
     generated / prompt token (0: only the token's own logprob). `max_tokens=0` with `prompt_logprobs`
     scores the prompt and generates nothing. `logit_bias` {token id: bias} is added to
     those ids' logits and `allowed_token_ids` restricts the choice to its ids, both before any penalty;
-    normalised to a dict (None when empty) and a tuple.
+    normalised to a dict (None when empty) and a tuple. `structured_outputs` constrains the output to a
+    JSON schema, a regex, a choice or a grammar (StructuredOutputsParams); it takes neither min_tokens nor
+    allowed_token_ids, which could leave no token the grammar allows.
     """
 
     max_tokens: int = 64
@@ -56,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         scoring = self.prompt_logprobs is not None  # max_tokens=0 then scores the prompt
@@ -89,6 +94,17 @@ class SamplingParams:
         self.logit_bias = self._logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids, min_len=1)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if self.min_tokens:
+            raise _bad("min_tokens", self.min_tokens, "0 with structured_outputs (EOS may end the grammar)")
+        if self.allowed_token_ids is not None:
+            raise _bad("allowed_token_ids", self.allowed_token_ids, "None with structured_outputs")
 
     @property
     def greedy(self) -> bool:

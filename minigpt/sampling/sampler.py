@@ -2,10 +2,10 @@
 
 The sampler turns one step's logits for a whole batch into next tokens in a single vectorized pass,
 with each row carrying its own parameters. Every transform reproduces the matching transformers
-logits processor, applied in transformers' order, after logit bias and allowed ids, which act on
-the raw logits first (as vLLM applies them):
+logits processor, applied in transformers' order, after a grammar's mask, logit bias and allowed ids,
+which act on the raw logits first (as vLLM applies them):
 
-    logit bias -> allowed ids -> repetition penalty -> presence/frequency penalties -> min_tokens mask
+    grammar mask -> logit bias -> allowed ids -> repetition penalty -> presence/frequency penalties -> min_tokens mask
     -> temperature -> top-k -> top-p -> min-p -> sample (greedy rows: argmax of the penalised logits)
 """
 
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minigpt.sampling.bitmask import apply_bitmask
 from minigpt.sampling.generator import gumbel_argmax
 from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, is_int
 from minigpt.sampling.processors import (
@@ -31,6 +32,13 @@ from minigpt.sampling.processors import (
     tensor_like,
     warp,
 )
+
+
+class GrammarMask(NamedTuple):
+    """The tokens a grammar allows each constrained row of a batch: int32 bitmask [len(rows), words]."""
+
+    rows: list[int]
+    bitmask: Tensor
 
 
 class TokenLogprobs(NamedTuple):
@@ -66,12 +74,14 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._maskable_eos = {i for i in self.eos_token_ids if i < self.vocab_limit}
 
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Next token of each row from logits [len(rows), vocab] (any float dtype)."""
-        batch = self._batch(logits, rows)
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None
+                 ) -> SamplerOutput:
+        """Next token of each row from logits [len(rows), vocab] (any float dtype); `grammar` masks the rows
+        it names."""
+        batch = self._batch(logits, rows, grammar)
         params, sampled = batch.params, batch.sampled
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not (sampled or asked or batch.penalised or batch.biased or any(batch.suppressed)):
+        if not (sampled or asked or batch.penalised or batch.biased or any(batch.suppressed) or grammar):
             # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
             return SamplerOutput(argmax(batch.logits.float()).tolist())
 
@@ -94,24 +104,27 @@ class Sampler:
                 out.logprobs[i] = lp
         return out
 
-    def process(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def process(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None) -> Tensor:
         """The fp32 logits [len(rows), vocab_limit] each row draws from, filtered ids at -inf.
 
-        Every row gets its logit bias, allowed ids, penalties and min_tokens mask; sampled rows then
-        temperature, top-k, top-p and min-p. Greedy rows take the argmax of this. Never modifies `logits`.
+        Every row gets its grammar's mask, logit bias, allowed ids, penalties and min_tokens mask; sampled
+        rows then temperature, top-k, top-p and min-p. Greedy rows take the argmax of this. Never modifies
+        `logits`.
         """
-        return self._process(self._batch(logits, rows))
+        return self._process(self._batch(logits, rows, grammar))
 
-    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow]) -> _Batch:
+    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None) -> _Batch:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         params = [row.params for row in rows]
         return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
                       any(penalised(p) for p in params), any(biased(p) for p in params),
-                      [i for i, p in enumerate(params) if not p.greedy])
+                      [i for i, p in enumerate(params) if not p.greedy], grammar)
 
     def _process(self, batch: _Batch) -> Tensor:
         x = batch.logits.float()
+        if batch.grammar is not None:
+            x = _grammar_masked(x, batch.grammar)
         if batch.biased:
             x = bias(x, batch.params)
         if batch.penalised:
@@ -138,6 +151,15 @@ class _Batch(NamedTuple):
     penalised: bool  # some row has a penalty
     biased: bool  # some row has a logit_bias or allowed_token_ids
     sampled: list[int]  # the rows that are not greedy
+    grammar: GrammarMask | None
+
+
+def _grammar_masked(x: Tensor, grammar: GrammarMask) -> Tensor:
+    """x with each grammar row's disallowed tokens at -inf (out of place); the other rows unchanged."""
+    if grammar.rows == list(range(x.shape[0])):
+        return apply_bitmask(x, grammar.bitmask)
+    idx = tensor_like(grammar.rows, torch.int64, x)
+    return x.index_put((idx,), apply_bitmask(x[idx], grammar.bitmask))
 
 
 ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU

@@ -88,7 +88,7 @@ class CompletionServer:
         check_model(body.model, self.model_name)
         params = body.sampling_params()
         prompts = body.prompts()
-        handles = self.submit(prompts, params)
+        handles = self.submit(prompts, params, body.structured_param)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
@@ -106,7 +106,8 @@ class CompletionServer:
                    for c in protocol.completion_choices(out, i * params.n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams) -> list[RequestHandle]:
+    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams,
+               structured_param: str = "structured_outputs") -> list[RequestHandle]:
         """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
         handles: list[RequestHandle] = []
         try:
@@ -117,7 +118,10 @@ class CompletionServer:
                            headers={"Retry-After": "1"}) from None
         except (ValueError, TypeError) as err:
             where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
-            raise protocol.params_error(err, where, "prompt") from None  # e.g. a logit_bias id past the vocab
+            # e.g. a logit_bias id past the vocab, a regex the grammar library refuses
+            raise protocol.params_error(err, where, "prompt", structured_param) from None
+        except ImportError as err:  # structured outputs without their extra
+            raise APIError(400, str(err), param=structured_param) from None
         except RuntimeError as err:  # the engine is closed
             raise APIError(503, f"the engine is not running: {err}", "server_error") from None
         finally:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from minigpt.request import RequestOutput
-from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from minigpt.server.errors import APIError, invalid
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -31,6 +31,37 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json",
+                                                     description="a JSON schema the output validates against")
+    regex: str | None = Field(None, description="a regular expression the whole output matches")
+    choice: list[str] | None = Field(None, description="the output is exactly one of these strings")
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect) the output parses with")
+    json_object: bool | None = Field(None, description="the output is a JSON object")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(BaseModel):
@@ -65,6 +96,8 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     def prompts(self) -> list[Prompt]:
         """The prompt(s) as a list of texts or token-id lists, one engine request each."""
@@ -114,18 +147,47 @@ class CompletionRequest(BaseModel):
             "min_tokens": self.min_tokens,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "allowed_token_ids": self.allowed_token_ids,
+            "structured_outputs": self._structured_outputs(),
         }
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as err:
-            raise params_error(err) from None
+            raise params_error(err, structured_param=self.structured_param) from None
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a structured-output constraint came from, for errors that name it."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise invalid("give structured_outputs or response_format, not both", "response_format")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice,
+                                               grammar=so.grammar, json_object=bool(so.json_object))
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise invalid('response_format of type "json_schema" needs json_schema.schema', "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        except ValueError as err:
+            raise invalid(str(err), self.structured_param) from None
 
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
-def params_error(err: ValueError, where: str = "", default: str | None = None) -> APIError:
-    """A 400 for an error that names a SamplingParams field (else `default`), naming the request field."""
+def params_error(err: ValueError, where: str = "", default: str | None = None,
+                 structured_param: str = "structured_outputs") -> APIError:
+    """A 400 for an error that names a SamplingParams field (else `default`), naming the request field; a
+    StructuredOutputsParams error names `structured_param`, the field the constraint came from."""
+    if "StructuredOutputsParams" in str(err):
+        return invalid(f"{where}{err}", structured_param)
     field = _FIELD.search(str(err))
     param = field.group(1) if field else default
     message = str(err).replace("SamplingParams.", "")

@@ -1,0 +1,129 @@
+"""Structured output on llguidance (the optional extra `minigpt[structured]`): grammars compiled once per
+constraint, one matcher per sequence, and the token bitmasks of a batch filled together.
+
+llguidance was chosen over xgrammar by the numbers in scripts/PERFORMANCE.md. Its tokenizer is built
+from minigpt's (each id's bytes, EOS a special token) once per Tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from minigpt.sampling.bitmask import bitmask_words
+from minigpt.sampling.structured import StructuredOutputsParams
+from minigpt.tokenizer import Tokenizer
+
+# JSON without whitespace between tokens: a weak model cannot spend its tokens on it. Overrides the
+# schema's own "x-guidance" options.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+MISSING_EXTRA = "structured outputs need llguidance: pip install minigpt[structured]"
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.torch
+    except ImportError:
+        raise ImportError(MISSING_EXTRA) from None
+    return llguidance
+
+
+class _TokenizerView:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: the bytes of every id, and encode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [tokenizer.decode_bytes([i]) for i in range(tokenizer.n_vocab)]
+        self.special_token_ids = [tokenizer.eos_token_id]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False)
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer: each constraint compiled once (cached by its key), a matcher per sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._llg = _llguidance()
+        self.tokenizer = self._llg.LLTokenizer(self._llg.TokenizerWrapper(_TokenizerView(tokenizer)))
+        self.words = bitmask_words(tokenizer.n_vocab)
+        self._grammars: dict[str, str] = {}
+        self._lock = threading.Lock()  # requests are made in any thread
+        self._executor = self._llg.LLExecutor(max(1, torch.get_num_threads()))
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """llguidance's grammar for `params`; ValueError naming the field when it is not a valid one."""
+        key = params.key
+        with self._lock:
+            grammar = self._grammars.get(key)
+        if grammar is None:
+            grammar = self._grammar(params)
+            error = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if error:
+                raise ValueError(f"StructuredOutputsParams.{params.kind} is not valid: {error.strip()}")
+            with self._lock:
+                self._grammars[key] = grammar
+        return grammar
+
+    def _grammar(self, params: StructuredOutputsParams) -> str:
+        m = self._llg.LLMatcher
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else {"type": "object"}
+            try:
+                return m.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
+            except ValueError as err:
+                raise ValueError(f"StructuredOutputsParams.json is not valid: {err}") from None
+        if params.regex is not None:
+            return m.grammar_from_regex(params.regex)
+        if params.choice is not None:  # Lark string literals are JSON strings
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+        return m.grammar_from_lark(params.grammar)
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
+        return GrammarState(self, self._llg.LLMatcher(self.tokenizer, self.compile(params), log_level=0))
+
+    def fill(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """int32 bitmask [len(states), words]: the tokens each state allows next, filled in parallel."""
+        bitmask = torch.empty(len(states), self.words, dtype=torch.int32)
+        self._llg.torch.fill_next_token_bitmask_par(
+            self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+        return bitmask
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
+        self.compiler, self.matcher = compiler, matcher
+
+    def advance(self, token_id: int) -> bool:
+        """Consume a sampled token; False if the grammar does not allow it (the state is then an error)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and allows nothing more (but EOS)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+@functools.lru_cache(maxsize=4)
+def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
+    """One compiler per tokenizer (building llguidance's takes ~1 s); a Tokenizer is never modified."""
+    return GrammarCompiler(tokenizer)
+
+
+def fill_bitmask(states: Sequence[GrammarState]) -> torch.Tensor:
+    """int32 bitmask [len(states), words] of the tokens each state allows next (states of one tokenizer)."""
+    return states[0].compiler.fill(states)

@@ -1,0 +1,36 @@
+"""Token bitmasks as xgrammar and llguidance fill them: int32 [rows, words], bit j of word i allows token
+32 * i + j. Applied to a batch's logits in one vectorized step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# bit j of byte b, for every byte: the bitmask read as bytes (little-endian) indexes it
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
+# the same as what to add to a logit: 0 (allowed, the logit unchanged) or -inf; adding a gathered float
+# table ran ~4x faster than masked_fill with the gathered bools
+_BYTE_PENALTY = torch.zeros(256, 8).masked_fill_(~_BYTE_BITS, -math.inf)
+
+
+def bitmask_words(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
+def _unpacked(table: Tensor, bitmask: Tensor, vocab: int) -> Tensor:
+    """table's row of each byte of bitmask [rows, words], as [rows, vocab] (a view past the last token)."""
+    values = table.index_select(0, bitmask.contiguous().view(torch.uint8).view(-1).int())
+    return values.view(bitmask.shape[0], -1)[:, :vocab]
+
+
+def allowed_tokens(bitmask: Tensor, vocab: int) -> Tensor:
+    """bool [rows, vocab] from int32 bitmask [rows, bitmask_words(vocab)] (on the CPU)."""
+    return _unpacked(_BYTE_BITS, bitmask, vocab)
+
+
+def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """fp32 logits [rows, vocab] with every token its row's bitmask does not allow at -inf (out of place)."""
+    penalty = _unpacked(_BYTE_PENALTY, bitmask.cpu(), logits.shape[1])
+    return logits + penalty.to(logits.device, non_blocking=True)

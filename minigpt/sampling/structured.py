@@ -1,0 +1,76 @@
+"""StructuredOutputsParams: the one constraint a request's output must satisfy (a JSON schema, any JSON
+object, a regex, a choice among strings, or a Lark grammar), checked and normalised when built."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _bad(field: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"StructuredOutputsParams.{field} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: `json` a JSON schema (a dict, or its JSON text), `regex` a regular expression the
+    whole output matches, `choice` a list of strings the output is one of, `grammar` a Lark grammar
+    (llguidance's dialect: `start: ...`, regexes as /.../, and %json for embedded JSON schemas), or
+    `json_object=True` any JSON object. JSON is generated compact: no whitespace between tokens.
+
+    `json` is normalised to its dict and `choice` to a tuple; `key` names the constraint for the
+    compiled-grammar cache.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise _bad("json_object", self.json_object, "a bool")
+        if self.json is not None:
+            object.__setattr__(self, "json", self._schema(self.json))
+        for field in ("regex", "grammar"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(field, value, "a non-empty str")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise _bad("choice", self.choice, "a non-empty list of non-empty str")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """The constraint as canonical text: equal constraints (a schema's keys in any order) share it."""
+        return json.dumps([self.kind, getattr(self, self.kind)], sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def _schema(schema: Any) -> dict:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise _bad("json", schema, f"a JSON schema (the text is not JSON: {err})") from None
+        if not isinstance(schema, dict):
+            raise _bad("json", schema, "a JSON schema object (a dict, or its JSON text)")
+        try:
+            json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise _bad("json", schema, f"a JSON-serialisable dict ({err})") from None
+        return schema

@@ -1,0 +1,105 @@
+"""Structured outputs through the server: vLLM's `structured_outputs` and OpenAI's `response_format` on
+/v1/completions give outputs that obey them; a bad constraint is an OpenAI-shaped 400 naming the field
+it came from, never a 500; the OpenAPI schema describes both fields."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_server import MODEL, N_POSITIONS, Served, run_server
+
+from minigpt import AsyncLLM
+from minigpt.server.app import build_app
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_factory) -> Iterator[Served]:
+    checkpoint = checkpoint_factory(n_positions=N_POSITIONS)
+    with AsyncLLM(str(checkpoint), kv_cache_tokens=4096) as llm, run_server(build_app(llm, MODEL)) as url:
+        yield Served(url, llm)
+        assert llm.engine.kv_cache_info()["blocks_in_use"] == 0
+
+
+def complete(served: Served, **fields) -> httpx.Response:
+    body = {"prompt": "Hello", "max_tokens": 60, "temperature": 1.0, "seed": 0, "n": 4, **fields}
+    return httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+
+
+def texts(response: httpx.Response) -> list[str]:
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert all(c["finish_reason"] == "stop" for c in choices), choices
+    return [c["text"] for c in choices]
+
+
+def test_structured_outputs_json_validates(served):
+    for text in texts(complete(served, structured_outputs={"json": SCHEMA})):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize(("constraint", "check"), [
+    ({"regex": r"[a-c]{2}-\d{2}"}, lambda t: re.fullmatch(r"[a-c]{2}-\d{2}", t)),
+    ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"grammar": 'start: "x" /[0-9]/ "y"'}, lambda t: re.fullmatch(r"x[0-9]y", t)),
+])
+def test_structured_outputs_regex_choice_grammar(served, constraint, check):
+    for text in texts(complete(served, structured_outputs=constraint)):
+        assert check(text), text
+
+
+def test_response_format_json_schema_validates(served):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for text in texts(complete(served, response_format=fmt)):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_response_format_json_object_and_text(served):
+    out = complete(served, response_format={"type": "json_object"}, max_tokens=5, n=1)
+    assert out.status_code == 200 and out.json()["choices"][0]["text"].startswith("{")
+    plain = complete(served, response_format={"type": "text"}, max_tokens=5, n=1, temperature=0)
+    unconstrained = complete(served, max_tokens=5, n=1, temperature=0)
+    assert plain.json()["choices"][0]["text"] == unconstrained.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
+    ({"structured_outputs": {"nope": 1}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "min_tokens"),
+])
+def test_bad_constraints_are_400_naming_the_field(served, fields, param):
+    out = complete(served, **fields)
+    assert out.status_code == 400, out.text
+    error = out.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_openapi_schema_describes_the_fields(served):
+    schema = httpx.get(f"{served.url}/openapi.json").json()
+    request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"structured_outputs", "response_format"} <= set(request)
+    structured = schema["components"]["schemas"]["StructuredOutputs"]["properties"]
+    assert set(structured) == {"json", "regex", "choice", "grammar", "json_object"}

@@ -1,0 +1,205 @@
+"""Structured outputs on random-weight checkpoints, sampled at temperature 1 under many seeds: every output
+obeys its constraint (a JSON schema validates, a regex fullmatches, a choice is one of the choices, a
+grammar parses) and finishes with "stop"; seeded and greedy outputs are reproducible; requests without a
+constraint are unchanged by one batched beside them; bad constraints are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from minigpt import LLM, SamplingParams, StructuredOutputsParams
+from minigpt.grammar import MISSING_EXTRA, compiler_for
+from minigpt.sampling.bitmask import allowed_tokens, apply_bitmask, bitmask_words
+
+from conftest import assert_all_free
+
+llguidance = pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["cat", "dog", None]},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}-\d{3}( (yes|no))?"
+CHOICES = ["alpha", "beta gamma", 'a "quoted" one', "日本語", "back\\slash"]
+LARK = """start: num " " op " " num
+num: /[0-9]{1,3}/
+op: "+" | "-" | "*"
+"""
+SEEDS = 24
+PROMPTS = ["Hello, my name is", "{", "The answer is"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=8192) as llm:
+        yield llm
+
+
+def sampled(llm: LLM, so: StructuredOutputsParams, max_tokens: int = 100, **kwargs) -> list:
+    """The completions of every prompt under SEEDS seeds (n samples of one seed each get their own)."""
+    params = SamplingParams(n=SEEDS, max_tokens=max_tokens, temperature=1.0, seed=0, structured_outputs=so, **kwargs)
+    outs = llm.generate(PROMPTS, params)
+    assert_all_free(llm)
+    return [c for out in outs for c in out.outputs]
+
+
+def test_json_schema_outputs_validate(llm):
+    for c in sampled(llm, StructuredOutputsParams(json=SCHEMA)):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_json_is_compact(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "array", "items": {"type": "boolean"}, "maxItems": 4}},
+              "required": ["n", "b"], "additionalProperties": False}
+    for c in sampled(llm, StructuredOutputsParams(json=schema)):
+        assert c.finish_reason == "stop"
+        assert c.text == json.dumps(json.loads(c.text), separators=(",", ":"))
+
+
+def test_regex_outputs_fullmatch(llm):
+    for c in sampled(llm, StructuredOutputsParams(regex=REGEX)):
+        assert c.finish_reason == "stop"
+        assert re.fullmatch(REGEX, c.text), c.text
+
+
+def test_choice_outputs_are_one_of_the_choices(llm):
+    texts = {c.text for c in sampled(llm, StructuredOutputsParams(choice=CHOICES))}
+    assert texts <= set(CHOICES) and len(texts) > 1
+
+
+def test_lark_grammar_outputs_parse(llm):
+    for c in sampled(llm, StructuredOutputsParams(grammar=LARK)):
+        assert c.finish_reason == "stop"
+        assert re.fullmatch(r"[0-9]{1,3} [-+*] [0-9]{1,3}", c.text), c.text
+
+
+def test_json_object_outputs_parse_as_objects(llm):
+    # Random weights write long strings (one ends only on a token holding '"'), mostly past the tiny context
+    # even with such tokens favoured: the outputs that stop must parse, the rest end with "length".
+    ids = {i for text in ('"', '"}', '",', '":') for i in llm.tokenizer.encode(text)}
+    outputs = sampled(llm, StructuredOutputsParams(json_object=True), logit_bias=dict.fromkeys(ids, 6.0))
+    stopped = [c for c in outputs if c.finish_reason == "stop"]
+    assert len(stopped) >= 4
+    for c in stopped:
+        assert isinstance(json.loads(c.text), dict)
+    assert {c.finish_reason for c in outputs} <= {"stop", "length"}
+
+
+def test_seeded_and_greedy_outputs_are_reproducible(llm):
+    so = StructuredOutputsParams(json=SCHEMA)
+    for params in (SamplingParams(max_tokens=60, temperature=1.0, seed=7, structured_outputs=so),
+                   SamplingParams(max_tokens=60, structured_outputs=so)):
+        first = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+        again = [out.outputs[0].token_ids for out in llm.generate(PROMPTS[::-1], params)][::-1]
+        assert first == again
+
+
+def test_unconstrained_requests_batched_with_constrained_ones_are_unchanged(llm):
+    plain = [SamplingParams(max_tokens=24, temperature=1.0, seed=3), SamplingParams(max_tokens=24, logprobs=2)]
+    alone = llm.generate(PROMPTS[:2], plain)
+    constrained = SamplingParams(max_tokens=24, temperature=1.0, seed=3,
+                                 structured_outputs=StructuredOutputsParams(regex=REGEX))
+    mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [plain[0], constrained, plain[1]])
+    assert re.fullmatch(REGEX, mixed[1].outputs[0].text)
+    for a, m in zip(alone, [mixed[0], mixed[2]], strict=True):
+        assert a.outputs[0].token_ids == m.outputs[0].token_ids
+        assert a.outputs[0].logprobs == m.outputs[0].logprobs
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA)))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert out.text.startswith('{"name":"')
+    assert_all_free(llm)
+
+
+def test_grammar_ends_the_sequence_even_with_ignore_eos(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True, structured_outputs=(
+        StructuredOutputsParams(choice=["yes", "no"]))))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"json": "{not json"}, "StructuredOutputsParams.json"),
+    ({"json": [1, 2]}, "StructuredOutputsParams.json"),
+    ({"regex": ""}, "StructuredOutputsParams.regex"),
+    ({"choice": []}, "StructuredOutputsParams.choice"),
+    ({"choice": ["a", 1]}, "StructuredOutputsParams.choice"),
+    ({"grammar": 5}, "StructuredOutputsParams.grammar"),
+    ({"json_object": "yes"}, "json_object"),
+])
+def test_bad_params_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize(("so", "field"), [
+    (StructuredOutputsParams(regex="(unclosed"), "StructuredOutputsParams.regex"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "StructuredOutputsParams.grammar"),
+    (StructuredOutputsParams(json={"type": "no-such-type"}), "StructuredOutputsParams.json"),
+    (StructuredOutputsParams(json={"$ref": "#/nowhere"}), "StructuredOutputsParams.json"),
+])
+def test_invalid_grammars_are_refused_at_submission(llm, so, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate("x", SamplingParams(structured_outputs=so))
+    assert_all_free(llm)
+
+
+def test_sampling_fields_that_could_leave_no_token_are_refused():
+    so = StructuredOutputsParams(choice=["a"])
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=so)
+    with pytest.raises(ValueError, match="SamplingParams.allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs=so)
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+
+
+def test_equal_constraints_share_one_compiled_grammar(llm):
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    assert a.key == b.key
+    compiler = compiler_for(llm.tokenizer)
+    assert compiler.compile(a) is compiler.compile(b)
+
+
+def test_missing_extra_names_the_install(llm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    compiler_for.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=re.escape("pip install minigpt[structured]")):
+            llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    finally:
+        compiler_for.cache_clear()
+    assert "minigpt[structured]" in MISSING_EXTRA
+    assert_all_free(llm)
+
+
+def test_bitmask_unpacks_bit_j_of_word_i_as_token_32i_plus_j():
+    vocab = 50257
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32)
+    expected = torch.tensor([[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(3)])
+    assert torch.equal(allowed_tokens(bitmask, vocab), expected.bool())
+    logits = torch.randn(3, vocab)
+    masked = apply_bitmask(logits, bitmask)
+    assert torch.equal(masked[expected.bool()], logits[expected.bool()])
+    assert torch.isneginf(masked[~expected.bool()]).all()
