@@ -129,10 +129,14 @@ def test_beams_share_pages_and_copy_on_write(llm):
     assert_all_free(llm)
 
 
-def test_small_pool_preempts_and_gives_the_same_beams(eos_checkpoint, llm):
+@pytest.mark.parametrize(("kv_cache_tokens", "prefix_caching"), [(48, True), (64, False)])
+def test_small_pool_preempts_and_gives_the_same_beams(eos_checkpoint, llm, kv_cache_tokens, prefix_caching):
+    """48 tokens hold one 30-token prompt and its 16 tokens, not 4 beams of it: beams are preempted, also
+    while they wait for their siblings, and recomputed."""
     params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, length_penalty=0.0, ignore_eos=True)
     expected = [[s.token_ids for s in out.sequences] for out in llm.beam_search(PROMPTS, params)]
-    with LLM(str(eos_checkpoint), dtype="float32", block_size=4, kv_cache_tokens=64) as small:
+    with LLM(str(eos_checkpoint), dtype="float32", block_size=4, kv_cache_tokens=kv_cache_tokens,
+             enable_prefix_caching=prefix_caching) as small:
         preempted = []
         small.engine.on_step = lambda batch, sampled: preempted.extend(batch.preempted)
         outs = small.beam_search(PROMPTS, params)
@@ -192,3 +196,31 @@ def test_bad_requests_are_refused(llm):
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search([[1]], SamplingParams())
     assert_all_free(llm)
+
+
+def test_cli_prints_the_best_hypothesis_or_all_as_json(eos_checkpoint, llm, tmp_path, capsys):
+    from minigpt.generate import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1+2=3\n(4*5)\n")
+    expected = llm.beam_search(["1+2=3", "(4*5)"], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.0))
+    argv = ["--model", str(eos_checkpoint), "--prompts-file", str(prompts), "--beam-width", "3", "--max-new-tokens",
+            "6", "--length-penalty", "0", "--quiet", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == [out.prompt + out.sequences[0].text for out in expected]
+    assert main([*argv, "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [[s["token_ids"] for s in line["sequences"]] for line in lines] == [
+        [s.token_ids for s in out.sequences] for out in expected]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--beam-width", "0"], "--beam-width must be an int >= 1, got 0"),
+    (["--beam-width", "2", "--temperature", "0.7"], "--temperature does not apply to beam search"),
+    (["--beam-width", "2", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
+])
+def test_cli_refuses_bad_beam_flags(tiny_checkpoint, capsys, args, message):
+    from minigpt.generate import main
+
+    assert main(["--model", str(tiny_checkpoint), "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
