@@ -10,10 +10,12 @@ copied on write; a beam not picked is pruned and its pages go back at once.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from minigpt.beam_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from minigpt.request import Request
+from minigpt.request import CompletionOutput, Request, RequestMetrics, RequestOutput
 from minigpt.scheduler import Scheduler
 from minigpt.sequence import Sequence
 from minigpt.tokenizer import Tokenizer
@@ -24,8 +26,11 @@ NEG = -1.0e9  # transformers' score of an impossible beam
 class BeamGroup:
     """The live beams and the best finished hypotheses of one prompt."""
 
-    def __init__(self, request: Request, params: BeamSearchParams, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, request: Request, params: BeamSearchParams, eos_token_ids: tuple[int, ...],
+                 tokenizer: Tokenizer) -> None:
         k = params.beam_width
+        self.tokenizer = tokenizer
+        self.timings = request.seqs[0].timings  # the prompt's: arrival, first scheduled, first token
         self.request_id, self.prompt = request.request_id, request.prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params = params
@@ -85,6 +90,7 @@ class BeamGroup:
             for beam in self.seqs:
                 self._drop(beam, scheduler)
             self.done = True
+            self.timings.finished = time.perf_counter()
             return
         self._extend([(self.beams[parents[i]], tokens[i]) for i in survivors], scheduler)
 
@@ -136,7 +142,8 @@ class BeamGroup:
         beam.abort()
         scheduler.finish(beam)
 
-    def output(self, tokenizer: Tokenizer) -> BeamSearchOutput:
+    def output(self) -> BeamSearchOutput:
+        tokenizer = self.tokenizer
         sequences = []
         for hypothesis, score in zip(self.hypotheses, self.finished_scores.tolist(), strict=True):
             if hypothesis is None:  # fewer hypotheses than beams: a vocabulary smaller than 2 * beam_width
@@ -145,3 +152,21 @@ class BeamGroup:
             reason = "stop" if token_ids[-1] in self.eos else "length"
             sequences.append(BeamSearchSequence(token_ids, tokenizer.decode(token_ids), cumulative, score, reason))
         return BeamSearchOutput(self.request_id, self.prompt, self.prompt_token_ids, sequences)
+
+    def request_output(self) -> RequestOutput:
+        """The hypotheses as completions, best first, with the request's timings: what a RequestHandle
+        carries. A search that was aborted or failed has one empty completion saying so."""
+        if self.done:
+            outputs = [CompletionOutput(i, s.token_ids, s.text, s.finish_reason)
+                       for i, s in enumerate(self.output().sequences)]
+        else:
+            reason = next((seq.finish_reason for seq in self.seqs if seq.finished), "abort")
+            outputs = [CompletionOutput(0, [], "", reason)]
+        t = self.timings
+        scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival
+        first_token = t.first_token if t.first_token is not None else scheduled
+        end = t.finished if t.finished is not None else time.perf_counter()
+        steps = len(outputs[0].token_ids)
+        metrics = RequestMetrics(scheduled - t.arrival, first_token - t.arrival,
+                                 (end - first_token) / (steps - 1) if steps > 1 else 0.0, 0)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics)

@@ -121,7 +121,7 @@ class Engine:
         params = replace(params)
         # each beam runs as a sequence that never stops by itself: the group decides where beams end
         request = self.make_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
-        return BeamGroup(request, params, self.eos_token_ids)
+        return BeamGroup(request, params, self.eos_token_ids, self.tokenizer)
 
     def add(self, request: Request | BeamGroup) -> None:
         if isinstance(request, BeamGroup):

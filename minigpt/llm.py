@@ -86,7 +86,7 @@ class LLM:
                 for group in groups:
                     self.engine.abort(group)
                 raise
-            return [group.output(self.tokenizer) for group in groups]
+            return [group.output() for group in groups]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one completion as tokens are generated; never half a character,

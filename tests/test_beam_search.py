@@ -162,7 +162,7 @@ def test_beams_batch_with_ordinary_requests(llm):
         mixed_steps += bool(batch_ids & {g.request_id for g in groups}) and bool(
             batch_ids & {r.request_id for r in requests})
     assert mixed_steps > 0
-    assert [[s.token_ids for s in g.output(llm.tokenizer).sequences] for g in groups] == beams_alone
+    assert [[s.token_ids for s in g.output().sequences] for g in groups] == beams_alone
     assert [r.output().token_ids for r in requests] == generated_alone
     assert_all_free(llm)
 
@@ -224,3 +224,43 @@ def test_cli_refuses_bad_beam_flags(tiny_checkpoint, capsys, args, message):
 
     assert main(["--model", str(tiny_checkpoint), "--quiet", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def server(eos_checkpoint):
+    from fastapi.testclient import TestClient
+
+    from minigpt import AsyncLLM
+    from minigpt.server.app import build_app
+
+    with AsyncLLM(str(eos_checkpoint), dtype="float32", block_size=4) as engine:
+        yield TestClient(build_app(engine, "beam")), engine
+
+
+def test_server_returns_the_n_best_of_best_of_beams(server, llm):
+    client, engine = server
+    body = {"prompt": [PROMPTS[1], PROMPTS[2]], "max_tokens": 10, "use_beam_search": True, "n": 2, "best_of": 3,
+            "length_penalty": 0.5, "early_stopping": "never"}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    params = BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5, early_stopping="never")
+    expected = llm.beam_search(PROMPTS[1:3], params)
+    choices = reply.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [(c["text"], c["finish_reason"]) for c in choices] == [
+        (s.text, s.finish_reason) for out in expected for s in out.sequences[:2]]
+    generated = sum(len(s.token_ids) for out in expected for s in out.sequences[:2])
+    assert reply.json()["usage"]["completion_tokens"] == generated
+    assert engine.kv_cache_info["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stream": True}, "stream"), ({"n": 3, "best_of": 2}, "best_of"), ({"temperature": 0.7}, "temperature"),
+    ({"logprobs": 1}, "logprobs"), ({"early_stopping": "always"}, "early_stopping"),
+    ({"max_tokens": 0}, "max_tokens"), ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+])
+def test_server_refuses_what_beam_search_cannot_do(server, body, param):
+    client, _ = server
+    reply = client.post("/v1/completions", json={"prompt": [1, 2], "use_beam_search": True, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param

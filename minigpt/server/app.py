@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
 from minigpt.async_engine import AsyncLLM, QueueFullError
+from minigpt.beam_params import BeamSearchParams
 from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams
@@ -83,6 +85,8 @@ class CompletionServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
+        if body.use_beam_search:
+            return await self._beam_search(body, request)
         params = body.sampling_params()
         prompts = body.prompts()
         handles = self._submit(prompts, params)
@@ -103,12 +107,32 @@ class CompletionServer:
                    for c in protocol.completion_choices(out, i * params.n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams) -> list[RequestHandle]:
+    async def _beam_search(self, body: CompletionRequest, request: Request) -> Response | dict:
+        """One beam search per prompt; each returns its n best hypotheses as its choices."""
+        params = body.beam_search_params()
+        n = 1 if body.n is None else body.n
+        prompts = body.prompts()
+        handles = self._submit(prompts, params)
+        try:
+            outputs = await _unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
+        finally:
+            for handle in handles:
+                handle.cancel()
+        if outputs is None:
+            return Response(status_code=499)
+        self._raise_failures(handles)
+        outputs = [replace(out, outputs=out.outputs[:n]) for out in outputs]
+        choices = [c for i, out in enumerate(outputs)
+                   for c in protocol.completion_choices(out, i * n, bool(body.echo), self.llm.tokenizer)]
+        return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
+
+    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams) -> list[RequestHandle]:
         """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
         handles: list[RequestHandle] = []
+        submit = self.llm.submit_beam_search if isinstance(params, BeamSearchParams) else self.llm.submit
         try:
             for prompt in prompts:
-                handles.append(self.llm.submit(prompt, params))
+                handles.append(submit(prompt, params))
         except QueueFullError as err:
             raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
