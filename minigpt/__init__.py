@@ -1,6 +1,7 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
 
 from minigpt.async_engine import AsyncLLM, QueueFullError
+from minigpt.beam_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minigpt.llm import LLM
 from minigpt.request import CompletionOutput, RequestOutput
 from minigpt.request_handle import RequestHandle, StreamDelta
@@ -10,6 +11,9 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "AsyncLLM",

@@ -21,10 +21,12 @@ from typing import Literal
 
 import torch
 
+from minigpt.beam_params import BeamSearchParams
+from minigpt.beam_search import BeamGroup
 from minigpt.engine import Engine
 from minigpt.engine_config import EngineConfig
 from minigpt.metrics import EngineMetrics, MetricsCollector
-from minigpt.request import Prompt
+from minigpt.request import Prompt, Request
 from minigpt.request_handle import RequestHandle
 from minigpt.sampling import SamplingParams
 from minigpt.tokenizer import Tokenizer
@@ -76,7 +78,15 @@ class AsyncLLM:
         """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
         a full queue QueueFullError."""
         self._check_open()
-        request = self.engine.make_request(prompt, SamplingParams() if params is None else params)
+        return self._enqueue(self.engine.make_request(prompt, SamplingParams() if params is None else params))
+
+    def submit_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> RequestHandle:
+        """Queue a beam search, as `submit`; its handle streams nothing and its output's completions are the
+        params.beam_width hypotheses, best first."""
+        self._check_open()
+        return self._enqueue(self.engine.make_beam_request(prompt, params))
+
+    def _enqueue(self, request: Request | BeamGroup) -> RequestHandle:
         handle = RequestHandle(request, self._request_cancel)
         with self._wakeup:
             self._check_open()

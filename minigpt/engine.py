@@ -16,6 +16,8 @@ from dataclasses import replace
 
 import torch
 
+from minigpt.beam_params import BeamSearchParams
+from minigpt.beam_search import BeamGroup
 from minigpt.config import eos_token_ids
 from minigpt.engine_config import EngineConfig
 from minigpt.grammar import compiler_for, fill_bitmask
@@ -58,6 +60,7 @@ class Engine:
             )
         self.sampler = Sampler(self.vocab_limit, self.eos_token_ids)
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
+        self.beam_groups: dict[int, BeamGroup] = {}  # request id -> its beam search
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.on_step: Callable[[ScheduledBatch, list[Sequence]], None] | None = None  # stats hook
@@ -117,12 +120,24 @@ class Engine:
             )
         return request
 
-    def add(self, request: Request) -> None:
+    def make_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> BeamGroup:
+        """Validate and tokenize a beam-search prompt; raises ValueError naming the problem."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params = replace(params)
+        # each beam runs as a sequence that never stops by itself: the group decides where beams end
+        request = self.make_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+        return BeamGroup(request, params, self.eos_token_ids, self.tokenizer)
+
+    def add(self, request: Request | BeamGroup) -> None:
+        if isinstance(request, BeamGroup):
+            self.beam_groups[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: Request | BeamGroup) -> None:
         """Stop a request now and return its pages."""
+        self.beam_groups.pop(request.request_id, None)
         for seq in request.seqs:
             if not seq.finished:
                 seq.abort()
@@ -153,6 +168,7 @@ class Engine:
                 raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
             return []
         try:
+            self.runner.copy_blocks(batch.copies)
             inputs = self.runner.prepare(batch.chunks)
             updated = self._postprocess(batch, inputs, self.runner.run(inputs))
         except Exception as err:
@@ -188,10 +204,21 @@ class Engine:
         sampled = inputs.sample_seqs
         if not sampled:
             return scored
-        if inputs.prompt_logprob_rows:  # logits also hold prompt positions: keep the sampled rows
-            logits = logits[to_device(inputs.sample_rows, torch.int64, self.runner.device)]
-        out = self.sampler(logits, sampled, self._grammar_mask(sampled))
-        for seq, token, lp in zip(sampled, out.token_ids, out.logprobs or [None] * len(sampled), strict=True):
+        rows = inputs.sample_rows
+        beam_rows = [i for i, seq in enumerate(sampled) if seq.request_id in self.beam_groups]
+        if beam_rows:
+            self._advance_beams([sampled[i] for i in beam_rows], logits[self._rows([rows[i] for i in beam_rows])])
+            beams = set(beam_rows)
+            rows = [row for i, row in enumerate(rows) if i not in beams]
+            decoded = [seq for i, seq in enumerate(sampled) if i not in beams]
+        else:
+            decoded = sampled
+        if not decoded:
+            return scored + sampled
+        if len(rows) != logits.shape[0]:  # logits also hold prompt positions or beams: keep the sampled rows
+            logits = logits[self._rows(rows)]
+        out = self.sampler(logits, decoded, self._grammar_mask(decoded))
+        for seq, token, lp in zip(decoded, out.token_ids, out.logprobs or [None] * len(decoded), strict=True):
             seq.append(token, lp)
             if seq.finished:
                 self.scheduler.finish(seq)
@@ -204,6 +231,24 @@ class Engine:
         if not rows:
             return None
         return GrammarMask(rows, fill_bitmask([sampled[i].grammar for i in rows]))
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return to_device(rows, torch.int64, self.runner.device)
+
+    def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """Hand each beam its next-token logprobs (fp32, over the model's whole vocabulary as transformers
+        takes them, ids past the tokenizer's excluded); advance the groups that have all theirs."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs[:, self.vocab_limit :] = -torch.inf
+        ready = []
+        for beam, row in zip(beams, logprobs.cpu(), strict=True):
+            group = self.beam_groups[beam.request_id]
+            if group.receive(beam, row) and group not in ready:
+                ready.append(group)
+        for group in ready:
+            group.advance(self.scheduler)
+            if group.done:
+                del self.beam_groups[group.request_id]
 
     def close(self) -> None:
         """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""

@@ -2,10 +2,13 @@
 
     python -m minigpt.generate --model gpt2 --prompt "Hello" --max-new-tokens 64
     python -m minigpt.generate --model ./ckpt --prompts-file prompts.txt --json
+    python -m minigpt.generate --model gpt2 --prompt "Hello" --beam-width 4
 
 One prompt streams its text to stdout as it is generated. `--prompts-file` (one prompt per
 line, `-` for stdin) runs all prompts continuously batched and prints each completion, or one
-JSON object per line with `--json`. Bad input ends with one line on stderr and exit code 2.
+JSON object per line with `--json`. `--beam-width K` beam searches instead of sampling and prints
+each prompt's best hypothesis (all K, best first, with `--json`). Bad input ends with one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import re
 import sys
 
+from minigpt.beam_params import BeamSearchOutput, BeamSearchParams
 from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
 from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
@@ -47,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
+    beam = parser.add_argument_group("beam search (replaces sampling)")
+    beam.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams")
+    beam.add_argument("--length-penalty", type=float, default=BeamSearchParams.length_penalty,
+                      help="a hypothesis ranks by its logprob / length ** this")
+    beam.add_argument("--early-stopping", choices=("false", "true", "never"), default="false",
+                      help="true: stop at beam-width finished hypotheses; never: search while one could still win")
     add_engine_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     parser.add_argument("--quiet", action="store_true", help="no engine report or progress on stderr")
@@ -85,6 +95,33 @@ def as_json(out: RequestOutput) -> str:
     }, ensure_ascii=False)
 
 
+def beam_as_json(out: BeamSearchOutput) -> str:
+    return json.dumps({
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "sequences": [{"token_ids": s.token_ids, "text": s.text, "cumulative_logprob": s.cumulative_logprob,
+                       "score": s.score, "finish_reason": s.finish_reason} for s in out.sequences],
+    }, ensure_ascii=False)
+
+
+def beam_params(args: argparse.Namespace) -> BeamSearchParams:
+    """The beam flags as BeamSearchParams; sampling flags other than --max-new-tokens and --ignore-eos
+    are refused with them."""
+    parser = build_parser()
+    for dest in SAMPLING_FLAGS:
+        if dest not in ("max_new_tokens", "ignore_eos") and getattr(args, dest) != parser.get_default(dest):
+            raise ValueError(f"--{dest.replace('_', '-')} does not apply to beam search (--beam-width)")
+    early_stopping = {"false": False, "true": True, "never": "never"}[args.early_stopping]
+    try:
+        return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_new_tokens,
+                                length_penalty=args.length_penalty, early_stopping=early_stopping,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as err:
+        message = str(err).replace("BeamSearchParams.max_tokens ", "--max-new-tokens ")
+        flag = re.sub(r"BeamSearchParams\.(\w+) ", lambda m: f"--{m[1].replace('_', '-')} ", message)
+        raise ValueError(flag) from None
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as SamplingParams; a refused value is reported under its flag's name."""
     try:
@@ -98,8 +135,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> None:
     prompts, line_numbers = read_prompts(args)
+    beam = beam_params(args) if args.beam_width is not None else None
     params = sampling_params(args)
     with LLM(args.model, **engine_args_from(args)) as llm:
+        if beam is not None:
+            for out in with_line_numbers(lambda: llm.beam_search(prompts, beam), args, line_numbers):
+                print(beam_as_json(out) if args.json else out.prompt + out.sequences[0].text, flush=True)
+            return
         if len(prompts) == 1 and not args.json:
             deltas = llm.stream(prompts[0], params)  # bad input raises here, before anything is written
             sys.stdout.write(prompts[0])
@@ -108,16 +150,22 @@ def run(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
             sys.stdout.write("\n")
             return
-        try:
-            outs = llm.generate(prompts, params, progress=False if args.quiet else None)
-        except ValueError as err:  # "prompt i: ..." -> the line of the file it came from
-            refused = re.match(r"prompt (\d+): ", str(err))
-            if refused is None or line_numbers is None:
-                raise
-            where = f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
-            raise ValueError(where + str(err)[refused.end() :]) from None
+        outs = with_line_numbers(lambda: llm.generate(prompts, params, progress=False if args.quiet else None), args,
+                                 line_numbers)
         for out in outs:
             print(as_json(out) if args.json else out.prompt + out.text, flush=True)
+
+
+def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int] | None):
+    """complete(), with a refused "prompt i: ..." named by the line of the file it came from."""
+    try:
+        return complete()
+    except ValueError as err:
+        refused = re.match(r"prompt (\d+): ", str(err))
+        if refused is None or line_numbers is None:
+            raise
+        where = f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
+        raise ValueError(where + str(err)[refused.end() :]) from None
 
 
 def main(argv: list[str] | None = None) -> int:

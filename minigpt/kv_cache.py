@@ -4,8 +4,8 @@ The pool is one tensor allocated at start, (n_layer, 2, num_blocks, block_size, 
 head_dim): generation never allocates cache memory per token. Sequences own lists of block
 ids (their block table). Full blocks are hashed, each hash chained to the previous block's, so
 a later prompt with the same prefix reuses them by reference count instead of recomputing;
-a hit is confirmed against the block's tokens. Only full blocks are shared and a sequence
-only ever writes into its own last, partial block, so no copy-on-write is needed.
+a hit is confirmed against the block's tokens. A beam search fork shares all its parent's
+blocks, the partial last one too: the first write into a shared block copies it (copy-on-write).
 """
 
 from __future__ import annotations
@@ -133,6 +133,28 @@ class BlockManager:
         if need > len(self.free):
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
         block_table.extend(self._take() for _ in range(need))
+
+    def fork(self, block_table: list[int]) -> list[int]:
+        """A second block table holding the same blocks by reference."""
+        for block in block_table:
+            self.ref_counts[block] += 1
+        return list(block_table)
+
+    def shares(self, block_table: list[int], position: int) -> bool:
+        """Whether the block that holds `position` exists and another table holds it too."""
+        index = position // self.block_size
+        return index < len(block_table) and self.ref_counts[block_table[index]] > 1
+
+    def copy_on_write(self, block_table: list[int], position: int) -> tuple[int, int] | None:
+        """Before a write at `position`: a shared block there is swapped for a fresh one in this table.
+        Returns (shared block, fresh block), whose K/V the runner copies before the write, or None."""
+        if not self.shares(block_table, position):
+            return None
+        index = position // self.block_size
+        shared, fresh = block_table[index], self._take()
+        self.ref_counts[shared] -= 1
+        block_table[index] = fresh
+        return shared, fresh
 
     def register_full_blocks(self, seq: CachedSequence) -> None:
         """Publish the sequence's newly full, computed blocks to the prefix cache (incrementally:

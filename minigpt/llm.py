@@ -1,4 +1,4 @@
-"""`LLM`: the engine as a Python API, `generate` and `stream` over continuously batched requests."""
+"""`LLM`: the engine as a Python API, `generate`, `stream` and `beam_search` over continuously batched requests."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
+from minigpt.beam_params import BeamSearchOutput, BeamSearchParams
 from minigpt.engine import Engine
 from minigpt.engine_config import EngineConfig
 from minigpt.progress import Progress
@@ -63,6 +64,29 @@ class LLM:
             finally:
                 bar.close()
             return [r.output() for r in requests]
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search each prompt (text or token ids), all continuously batched; per prompt, in input order,
+        its `params.beam_width` hypotheses, best first, as transformers' beam search ranks them."""
+        prompts = self._as_list(prompts)
+        with self._lock:
+            self._check_open()
+            groups = []
+            for index, prompt in enumerate(prompts):
+                try:
+                    groups.append(self.engine.make_beam_request(prompt, params))
+                except ValueError as err:
+                    raise ValueError(f"prompt {index}: {err}") from None
+            for group in groups:
+                self.engine.add(group)
+            try:
+                while not all(group.finished for group in groups):
+                    self.engine.step()
+            except BaseException:
+                for group in groups:
+                    self.engine.abort(group)
+                raise
+            return [group.output() for group in groups]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one completion as tokens are generated; never half a character,

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+from minigpt.beam_search import BeamGroup
 from minigpt.request import Request, RequestOutput
 from minigpt.sampling import TokenLogprobs
 
@@ -39,7 +40,7 @@ class RequestHandle:
     does. Leaving an iteration early (break, an exception, the awaiting task cancelled) cancels
     the request: its caller has gone away."""
 
-    def __init__(self, request: Request, cancel: Callable[[RequestHandle], None]) -> None:
+    def __init__(self, request: Request | BeamGroup, cancel: Callable[[RequestHandle], None]) -> None:
         self.request_id = request.request_id
         self.request = request  # the engine thread's: read it only from there
         self._cancel = cancel
@@ -135,7 +136,10 @@ class RequestHandle:
     # -- writing, from the engine thread ----------------------------------------------------------
 
     def collect(self) -> tuple[list[StreamDelta], RequestOutput | None]:
-        """New tokens and text of each completion since the last call; the output once finished."""
+        """New tokens and text of each completion since the last call; the output once finished. A beam
+        search has no deltas: its beams are not its completions until it ends."""
+        if isinstance(self.request, BeamGroup):
+            return [], self.request.request_output() if self.request.finished else None
         deltas = []
         for i, seq in enumerate(self.request.seqs):
             if self._sent_final[i]:

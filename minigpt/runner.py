@@ -147,6 +147,13 @@ class ModelRunner:
             self._tensor(rows), sample_seqs, sample_rows, prompt_rows,
         )
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K/V in every layer; a destination listed twice takes
+        its last source."""
+        if copies:
+            last = {dst: src for src, dst in copies}
+            self.pool.kv[:, :, self._tensor(list(last))] = self.pool.kv[:, :, self._tensor(list(last.values()))]
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
 

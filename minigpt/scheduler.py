@@ -5,7 +5,9 @@ prompt, a prompt chunk, a recomputation after preemption, or the one token sampl
 and the step computes some of them. Running sequences go first, oldest first; then waiting
 ones are admitted while `max_num_seqs`, the token budget and free blocks allow. When blocks run
 out, the newest running sequence is preempted: its pages are freed and it waits to be
-recomputed, so the pool running dry delays requests instead of failing them.
+recomputed, so the pool running dry delays requests instead of failing them. A beam search beam
+that has its logits waits, computing nothing, for its siblings; a block it shares with one is copied
+before the step writes into it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from minigpt.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: (sequence, number of tokens to compute) in batch order."""
+    """The work of one step: (sequence, number of tokens to compute) in batch order, and the blocks to copy
+    (source, destination) before it runs."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -44,8 +48,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop, or no budget left this step
+            if seq.status is not Status.RUNNING or budget == 0 or not seq.num_uncomputed_tokens:
+                continue  # preempted earlier in this loop, no budget left, or a beam waiting for its siblings
             chunk = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + chunk, batch):
                 continue  # seq preempted itself
@@ -53,16 +57,26 @@ class Scheduler:
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
+        idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
+        while not batch.chunks and self.waiting and idle:  # waiting beams' siblings hold the pages they need
+            self._preempt(idle.pop(), batch, front=False)
+            self._admit(batch, budget)
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Grow seq's pages to `num_tokens`, preempting newer sequences while blocks are short."""
-        need = self.blocks.blocks_needed(num_tokens) - len(seq.block_table)
-        while not self.blocks.can_allocate(need):
+        """Grow seq's pages to `num_tokens` (copying a shared block it writes into), preempting newer
+        sequences while blocks are short."""
+        first = seq.num_computed_tokens
+        while not self.blocks.can_allocate(
+            self.blocks.blocks_needed(num_tokens) - len(seq.block_table) + self.blocks.shares(seq.block_table, first)
+        ):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
+        copy = self.blocks.copy_on_write(seq.block_table, first)
+        if copy is not None:
+            batch.copies.append(copy)
         self.blocks.grow(seq.block_table, num_tokens)
         return True
 
@@ -95,12 +109,22 @@ class Scheduler:
         """Whether seq's prompt has a full block another sequence could share from the prefix cache."""
         return self.blocks.enable_prefix_caching and len(seq.token_ids) - 1 >= self.blocks.block_size
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, front: bool = True) -> None:
         self.running.remove(seq)
         self.blocks.free_blocks(seq.block_table)
         seq.preempt()
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         batch.preempted.append(seq)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A fork of `parent` (beam search) joins it: running, or waiting right behind it."""
+        if parent.status is Status.RUNNING:
+            self.running.append(child)
+        else:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished (or aborted, or failed) sequence out and return its pages."""

@@ -8,9 +8,10 @@ across token boundaries, and the returned text ends before the stop string, as O
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from minigpt.sampling import SamplingParams, TokenLogprobs
@@ -153,6 +154,17 @@ class Sequence:
         delta = self.text[self.num_streamed_chars : end]
         self.num_streamed_chars = max(self.num_streamed_chars, end)
         return delta
+
+    def fork(self, block_table: list[int]) -> Sequence:
+        """A copy that goes on from here on its own (a beam search beam): same tokens and computed pages,
+        `block_table` holding the pages by shared reference."""
+        child = copy.copy(self)
+        child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
+        child.block_table = block_table
+        child.timings = replace(self.timings)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child._decoder = self._decoder.copy()
+        return child
 
     def preempt(self) -> None:
         """Drop the pages (the block manager already took them back); recompute later."""

@@ -206,6 +206,12 @@ class IncrementalDecoder:
         """Adds one token; returns the text it completes (often "", for a partial character)."""
         return self._utf8.decode(self._tokenizer.decode_bytes((token_id,)))
 
+    def copy(self) -> IncrementalDecoder:
+        """A decoder that goes on from this one's state on its own."""
+        twin = IncrementalDecoder(self._tokenizer)
+        twin._utf8.setstate(self._utf8.getstate())
+        return twin
+
     def flush(self) -> str:
         """Ends the stream: held-back bytes of an unfinished character come out as U+FFFD."""
         return self._utf8.decode(b"", final=True)

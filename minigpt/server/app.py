@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
 from minigpt.async_engine import AsyncLLM, QueueFullError
+from minigpt.beam_params import BeamSearchParams
 from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle
 from minigpt.sampling import SamplingParams
@@ -86,13 +88,19 @@ class CompletionServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
-        params = body.sampling_params()
         prompts = body.prompts()
-        handles = self.submit(prompts, params, body.structured_param)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
+            params: SamplingParams | BeamSearchParams = body.beam_search_params()
+            n = 1 if body.n is None else body.n
+            handles = self.submit(prompts, params)
+        else:
+            params = body.sampling_params()
+            n = params.n
+            handles = self.submit(prompts, params, body.structured_param)
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outputs = await unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
         finally:
@@ -102,17 +110,19 @@ class CompletionServer:
             return Response(status_code=499)  # nobody is listening
         self.raise_failures(handles)
         tokenizer = self.llm.tokenizer
+        outputs = [replace(out, outputs=out.outputs[:n]) for out in outputs]
         choices = [c for i, out in enumerate(outputs)
-                   for c in protocol.completion_choices(out, i * params.n, bool(body.echo), tokenizer)]
+                   for c in protocol.completion_choices(out, i * n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams,
+    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
                structured_param: str = "structured_outputs") -> list[RequestHandle]:
         """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
         handles: list[RequestHandle] = []
+        submit = self.llm.submit_beam_search if isinstance(params, BeamSearchParams) else self.llm.submit
         try:
             for prompt in prompts:
-                handles.append(self.llm.submit(prompt, params))
+                handles.append(submit(prompt, params))
         except QueueFullError as err:
             raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None

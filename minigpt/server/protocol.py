@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from minigpt.beam_params import BeamSearchParams
 from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from minigpt.server.errors import APIError, invalid
@@ -98,6 +99,9 @@ class CompletionRequest(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+    use_beam_search: bool | None = Field(None, description="beam search with best_of (else n) beams; n returned")
+    length_penalty: float | None = Field(None, description="beam search ranks by logprob / length ** this")
+    early_stopping: bool | Literal["never"] | None = None
 
     def prompts(self) -> list[Prompt]:
         """The prompt(s) as a list of texts or token-id lists, one engine request each."""
@@ -119,7 +123,10 @@ class CompletionRequest(BaseModel):
         if self.n is not None and self.n > MAX_N:
             raise invalid(f"n must be at most {MAX_N} (completions per prompt), got {self.n}", "n")
         if self.best_of not in (None, self.n or 1):
-            raise invalid("best_of is not supported unless it equals n", "best_of")
+            raise invalid("best_of is not supported unless it equals n (or with use_beam_search)", "best_of")
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(self, name) is not None:
+                raise invalid(f"{name} applies only with use_beam_search=true", name)
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
         if self.stream and self.logprobs is not None and self.echo:
@@ -177,6 +184,41 @@ class CompletionRequest(BaseModel):
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
         except ValueError as err:
             raise invalid(str(err), self.structured_param) from None
+
+    def beam_search_params(self) -> BeamSearchParams:
+        """use_beam_search: beam width best_of (else n), the n best hypotheses returned; the sampling fields
+        are refused, and so is streaming."""
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+        if self.stream:
+            raise invalid("stream=true is not supported with use_beam_search", "stream")
+        sampling_only = ("top_p", "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "top_k",
+                         "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
+                         "allowed_token_ids", "structured_outputs")
+        for name in sampling_only:
+            if getattr(self, name) is not None:
+                raise invalid(f"{name} does not apply to use_beam_search", name)
+        if self.response_format is not None and self.response_format.type != "text":
+            raise invalid("response_format does not apply to use_beam_search", "response_format")
+        if self.temperature not in (None, 0):
+            raise invalid("temperature does not apply to use_beam_search (beam search is greedy)", "temperature")
+        n = 1 if self.n is None else self.n
+        if n < 1:
+            raise invalid(f"n must be >= 1, got {n}", "n")
+        width = n if self.best_of is None else self.best_of
+        if width < n:
+            raise invalid(f"best_of ({width}) must be >= n ({n}): the beam width, of which n are returned", "best_of")
+        if width > MAX_N:
+            raise invalid(f"the beam width (best_of, else n) must be at most {MAX_N}, got {width}",
+                          "best_of" if self.best_of is not None else "n")
+        given = {"max_tokens": 16 if self.max_tokens is None else self.max_tokens,
+                 "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
+                 "ignore_eos": self.ignore_eos}
+        try:
+            return BeamSearchParams(beam_width=width, **{k: v for k, v in given.items() if v is not None})
+        except ValueError as err:
+            raise invalid(str(err).replace("BeamSearchParams.", ""),
+                          next((f for f in given if f"BeamSearchParams.{f} " in str(err)), None)) from None
 
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")

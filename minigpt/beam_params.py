@@ -1,0 +1,65 @@
+"""BeamSearchParams and what `LLM.beam_search` returns: per prompt, its beam_width completions, best first."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minigpt.sampling.params import _is_real, is_int
+
+
+def _bad(field: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"BeamSearchParams.{field} must be {expected}, got {value!r}")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False, ...)` runs it.
+
+    A finished hypothesis is ranked by its cumulative logprob / (generated tokens ** length_penalty)
+    (a final EOS counts). `early_stopping`: True stops once beam_width hypotheses are finished; False
+    stops when the best live beam, at its current length, cannot beat the worst finished one;
+    "never" also assumes a positive length_penalty would let it grow to max_tokens.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 64
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise _bad(name, value, "an int >= 1")
+            setattr(self, name, int(value))
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise _bad("length_penalty", self.length_penalty, "a finite number")
+        self.length_penalty = float(self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise _bad("early_stopping", self.early_stopping, 'True, False or "never"')
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "a bool")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis: generated ids (a final EOS kept), their text, the sum of their logprobs,
+    the length-penalised score it was ranked by, and "stop" (ended in EOS) or "length"."""
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    """What `LLM.beam_search` returns per prompt: `sequences` holds beam_width hypotheses, best first."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
