@@ -27,6 +27,7 @@ from minigpt.runner import ModelRunner, StepInputs
 from minigpt.sampling import GrammarMask, Sampler, SamplingParams, prompt_logprobs
 from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
+from minigpt.speculative import SpeculativeConfig, Speculator, accept, sampling_rows
 from minigpt.tokenizer import Tokenizer
 from minigpt.transfer import to_device
 from minigpt.weights import check_complete, resolve_checkpoint
@@ -59,11 +60,18 @@ class Engine:
                 "(is a tokenizer file that adds it missing from %s?)", unreachable[0], self.vocab_limit, path,
             )
         self.sampler = Sampler(self.vocab_limit, self.eos_token_ids)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(
+                SpeculativeConfig.parse(config.speculative_config), config, self.tokenizer, self.vocab_limit,
+                self.runner.pool.num_tokens, sum(p.numel() for p in self.runner.model.parameters()),
+            )
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.beam_groups: dict[int, BeamGroup] = {}  # request id -> its beam search
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.on_step: Callable[[ScheduledBatch, list[Sequence]], None] | None = None  # stats hook
+        # stats hook: (batch, sequences that sampled, tokens they got)
+        self.on_step: Callable[[ScheduledBatch, list[Sequence], int], None] | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -124,6 +132,8 @@ class Engine:
         """Validate and tokenize a beam-search prompt; raises ValueError naming the problem."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.speculator is not None:
+            raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
         params = replace(params)
         # each beam runs as a sequence that never stops by itself: the group decides where beams end
         request = self.make_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
@@ -141,7 +151,7 @@ class Engine:
         for seq in request.seqs:
             if not seq.finished:
                 seq.abort()
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -169,29 +179,33 @@ class Engine:
             return []
         try:
             self.runner.copy_blocks(batch.copies)
+            if self.speculator is not None:
+                batch.chunks = self.speculator.draft(batch.chunks, self.blocks, self.scheduler.max_num_batched_tokens)
             inputs = self.runner.prepare(batch.chunks)
+            generated = sum(len(seq.output_token_ids) for seq in inputs.sample_seqs)
             updated = self._postprocess(batch, inputs, self.runner.run(inputs))
         except Exception as err:
             self._fail(batch, err)
             raise
         sampled = inputs.sample_seqs
+        num_tokens = sum(len(seq.output_token_ids) for seq in sampled) - generated
         self.num_steps += 1
-        self.num_generated_tokens += len(sampled)
+        self.num_generated_tokens += num_tokens
         if self.on_step is not None:
-            self.on_step(batch, sampled)
+            self.on_step(batch, sampled, num_tokens)
         return updated
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
         for seq, _ in batch.chunks:
             if not seq.finished:
                 seq.fail(f"{type(err).__name__}: {err}")
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         """Account the computed tokens, record prompt logprobs, sample and append; returns the sequences that
         finished scoring or sampled."""
         for seq, chunk in batch.chunks:
-            seq.num_computed_tokens += chunk
+            seq.num_computed_tokens += chunk - len(seq.draft_token_ids)  # drafts count once verified
             self.blocks.register_full_blocks(seq)
         for seq, row, positions in inputs.prompt_logprob_rows:
             targets = [seq.prompt_token_ids[p + 1] for p in positions]
@@ -200,11 +214,12 @@ class Engine:
         scored = [seq for seq, _ in batch.chunks if seq.scores_only and not seq.num_uncomputed_tokens]
         for seq in scored:
             seq.finish_scoring()
-            self.scheduler.finish(seq)
+            self._finish(seq)
         sampled = inputs.sample_seqs
         if not sampled:
             return scored
         rows = inputs.sample_rows
+        # beams and speculation never meet (make_beam_request): with beams, one row per sequence
         beam_rows = [i for i, seq in enumerate(sampled) if seq.request_id in self.beam_groups]
         if beam_rows:
             self._advance_beams([sampled[i] for i in beam_rows], logits[self._rows([rows[i] for i in beam_rows])])
@@ -217,11 +232,20 @@ class Engine:
             return scored + sampled
         if len(rows) != logits.shape[0]:  # logits also hold prompt positions or beams: keep the sampled rows
             logits = logits[self._rows(rows)]
-        out = self.sampler(logits, decoded, self._grammar_mask(decoded))
-        for seq, token, lp in zip(decoded, out.token_ids, out.logprobs or [None] * len(decoded), strict=True):
-            seq.append(token, lp)
+        sampling = sampling_rows(decoded)
+        out = self.sampler(logits, sampling, self._grammar_mask(sampling))
+        logprobs = out.logprobs or [None] * len(out.token_ids)
+        row = 0
+        for seq in decoded:
+            num_drafts = len(seq.draft_token_ids)
+            rows = slice(row, row + num_drafts + 1)
+            row = rows.stop
+            if not num_drafts:
+                seq.append(out.token_ids[rows.start], logprobs[rows.start])
+            else:
+                self._verified(seq, accept(seq, out.token_ids[rows], logprobs[rows]))
             if seq.finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return scored + sampled
 
     @staticmethod
@@ -250,8 +274,25 @@ class Engine:
             if group.done:
                 del self.beam_groups[group.request_id]
 
+    def _verified(self, seq: Sequence, num_accepted: int) -> None:
+        """Keep the K/V of the accepted drafts, roll the rejected ones back and return the pages past the need."""
+        self.speculator.record(seq, len(seq.draft_token_ids), num_accepted)
+        seq.draft_token_ids = []
+        if seq.finished:
+            return
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # the last token's K/V is computed next step
+        self.blocks.register_full_blocks(seq)
+        self.blocks.shrink(seq.block_table, len(seq.token_ids))
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
     def close(self) -> None:
         """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
         if self.config.num_threads is not None and torch.get_num_threads() == self.config.num_threads:
             torch.set_num_threads(self._threads_before)  # unless someone has set it since

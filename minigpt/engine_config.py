@@ -8,9 +8,11 @@ The defaults let dozens of concurrent requests batch with no tuning on a laptop-
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
+from minigpt.speculative.config import SpeculativeConfig
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
 
@@ -44,6 +46,10 @@ class EngineConfig:
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's, one per core)", flag="--threads")
     compile: bool = _setting(False, "torch.compile the decode steps: faster decoding, minutes of compiling at start")
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
+    speculative_config: dict | None = _setting(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting"):
@@ -63,6 +69,8 @@ class EngineConfig:
                 ) from None
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:
@@ -118,8 +126,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if setting.type == "bool":  # (annotations are strings here) a switch, off by default
             engine.add_argument(flag, action="store_true", help=meta["help"])
             continue
-        kind = int if setting.type.startswith("int") else None  # argparse keeps strings as they are
+        kind = {"int": int, "dict": _json_object}.get(setting.type.split(" ")[0])  # None: the string as it is
         engine.add_argument(flag, type=kind, default=setting.default, choices=meta["choices"], help=meta["help"])
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:

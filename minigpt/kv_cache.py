@@ -156,6 +156,11 @@ class BlockManager:
         block_table[index] = fresh
         return shared, fresh
 
+    def shrink(self, block_table: list[int], num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens (rejected speculative tokens' pages)."""
+        self.free_blocks(block_table[self.blocks_needed(num_tokens) :])
+        del block_table[self.blocks_needed(num_tokens) :]
+
     def register_full_blocks(self, seq: CachedSequence) -> None:
         """Publish the sequence's newly full, computed blocks to the prefix cache (incrementally:
         the sequence carries how many of its blocks are hashed and the last hash)."""

@@ -59,6 +59,12 @@ class EngineMetrics:
     """Tokens sampled, over every completion."""
     num_steps: int = 0
     """Model steps run (failed steps are not counted)."""
+    spec_steps_total: int = 0
+    """Speculative verification steps of finished requests."""
+    spec_draft_tokens_total: int = 0
+    """Tokens drafted for finished requests."""
+    spec_accepted_tokens_total: int = 0
+    """Of those, the tokens the target accepted."""
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     batch_size_histogram: dict[int, int] = field(default_factory=dict)
@@ -75,8 +81,12 @@ class EngineMetrics:
                 lines.append(f"# TYPE {prefix}_{name} {kind}")
             lines.append(f"{prefix}_{name}{labels} {value}")
 
-        for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total"):
+        for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total", "spec_steps_total",
+                     "spec_draft_tokens_total", "spec_accepted_tokens_total"):
             metric(name, "counter", getattr(self, name))
+        if self.spec_draft_tokens_total:
+            metric("spec_acceptance_rate", "gauge", self.spec_accepted_tokens_total / self.spec_draft_tokens_total)
+            metric("spec_mean_accepted_tokens", "gauge", self.spec_accepted_tokens_total / self.spec_steps_total)
         metric("steps_total", "counter", self.num_steps)
         for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total"):
             metric(name, "gauge", getattr(self, name))
@@ -130,6 +140,9 @@ class MetricsCollector:
                 m.requests_finished += 1
                 reason = output.finish_reason or "unknown"
                 m.finish_reasons[reason] = m.finish_reasons.get(reason, 0) + 1
+                m.spec_steps_total += output.metrics.num_spec_steps
+                m.spec_draft_tokens_total += output.metrics.num_draft_tokens
+                m.spec_accepted_tokens_total += output.metrics.num_accepted_tokens
                 if output.token_ids:
                     m.ttft_seconds.observe(output.metrics.time_to_first_token)
                 if len(output.token_ids) > 1:

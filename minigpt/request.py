@@ -24,12 +24,26 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Seconds: time in the queue, to the first token, and per output token after it."""
+    """Seconds: time in the queue, to the first token, and per output token after it. Speculative decoding,
+    over the request's completions: verification steps, tokens drafted, drafts accepted."""
 
     queue_time: float
     time_to_first_token: float
     time_per_output_token: float
     num_preemptions: int
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafted tokens the target accepted, as a fraction (None: nothing drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Drafts accepted per verification step (None: no step verified drafts)."""
+        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
 
 @dataclass
@@ -88,6 +102,9 @@ class Request:
             time_to_first_token=first_token - t.arrival,
             time_per_output_token=(end - first_token) / (n_out - 1) if n_out > 1 else 0.0,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
+            num_spec_steps=sum(s.num_spec_steps for s in self.seqs),
+            num_draft_tokens=sum(s.num_draft_tokens for s in self.seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in self.seqs),
         )
         outputs = [
             CompletionOutput(i, list(s.output_token_ids), s.text, s.finish_reason, s.logprobs)

@@ -38,7 +38,7 @@ class StepInputs:
     meta: StepMetadata
     logits_indices: torch.Tensor  # [R] int64: the rows whose logits are computed
     sample_seqs: list[Sequence]  # the sequences that sample this step
-    sample_rows: list[int]  # their rows among the R
+    sample_rows: list[int]  # their rows among the R: one each, plus one per drafted token it verifies
     # (sequence, its first row among the R, the prompt positions whose next token it scores)
     prompt_logprob_rows: list[tuple[Sequence, int, list[int]]]
 
@@ -124,10 +124,12 @@ class ModelRunner:
                 if wanted:
                     prompt_rows.append((seq, len(rows), wanted))
                     rows += (start + p - first for p in wanted)
-            if end == len(seq.token_ids) and not seq.scores_only:
+            if end == len(seq.token_ids) + len(seq.draft_token_ids) and not seq.scores_only:
                 sample_seqs.append(seq)
-                sample_rows.append(len(rows))
-                rows.append(start + chunk - 1)
+                # the last token's row, then one row per drafted token being verified
+                verified = range(end - 1 - len(seq.draft_token_ids), end)
+                sample_rows += range(len(rows), len(rows) + len(verified))
+                rows += (start + p - first for p in verified)
         num_prefill_tokens = len(tokens)
         for seq in decodes:
             sample_seqs.append(seq)
@@ -143,7 +145,7 @@ class ModelRunner:
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in tokens]
         meta = StepMetadata(self._tensor(slots), segments, num_prefill_tokens, tables, lens)
         return StepInputs(
-            self._tensor([seq.token_ids[p] for seq, p in tokens]), self._tensor([p for _, p in tokens]), meta,
+            self._tensor([_token_at(seq, p) for seq, p in tokens]), self._tensor([p for _, p in tokens]), meta,
             self._tensor(rows), sample_seqs, sample_rows, prompt_rows,
         )
 
@@ -163,3 +165,9 @@ class ModelRunner:
         self.backend.close()
         self.compiled = None
         self.halves = (attention_inputs, attention_outputs)
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    """The token at `position` of seq's tokens followed by its drafted ones."""
+    n = len(seq.token_ids)
+    return seq.token_ids[position] if position < n else seq.draft_token_ids[position - n]

@@ -64,6 +64,9 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.last_block_hash = 0
         self.num_preemptions = 0
+        # speculation: tokens drafted for this step (verified after the last token), and counters
+        self.draft_token_ids: list[int] = []
+        self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
         # output
         self.text = ""
         self.num_streamed_chars = 0
@@ -73,7 +76,7 @@ class Sequence:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
-        self._max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
+        self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
         self.grammar = grammar  # structured outputs: advanced by every token appended
         self._eos_ids = set(eos_token_ids)
 
@@ -91,7 +94,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Add a sampled token and decide whether the sequence is done."""
@@ -117,7 +120,7 @@ class Sequence:
             return
         if grammar_done:
             self._finish("stop", self._decoder.flush())
-        elif len(self.token_ids) >= self._max_len:
+        elif len(self.token_ids) >= self.max_len:
             self._finish("length", self._decoder.flush())
 
     def _extend_text(self, delta: str) -> None:
@@ -169,6 +172,7 @@ class Sequence:
     def preempt(self) -> None:
         """Drop the pages (the block manager already took them back); recompute later."""
         self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
+        self.draft_token_ids = []
         self.status = Status.WAITING
         self.num_preemptions += 1
 

@@ -1,0 +1,121 @@
+"""A draft model driven alongside the target: its own runner, KV pool and block tables.
+
+Each target sequence has a `DraftSequence` mirroring its tokens in the draft's pool. A step drafts k
+tokens greedily in k draft forwards, all sequences batched: the first catches the draft up on the
+tokens it has not computed (a new prompt, the tokens the target accepted or sampled), the others
+decode one token each. K/V computed for drafts the target rejected are rolled back before the next
+proposal, and a sequence whose draft pages run short simply gets no draft this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from minigpt.engine_config import EngineConfig
+from minigpt.kv_cache import BlockManager
+from minigpt.runner import ModelRunner
+from minigpt.sampling import argmax
+from minigpt.sequence import Sequence
+from minigpt.tokenizer import Tokenizer
+from minigpt.weights import check_complete, resolve_checkpoint
+
+
+class DraftSequence:
+    """A target sequence's tokens and pages in the draft pool, read by `ModelRunner.prepare`."""
+
+    prompt_logprobs = None
+    scores_only = False
+    draft_token_ids: list[int] = []
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_synced = 0  # the target's length when the mirror last copied its tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+class DraftModel:
+    """The draft checkpoint's runner and pool (as many tokens as the target's, no prefix cache)."""
+
+    def __init__(self, model: str, config: EngineConfig, num_tokens: int, tokenizer: Tokenizer,
+                 vocab_limit: int) -> None:
+        path = resolve_checkpoint(model)
+        check_complete(path)
+        check_same_tokenizer(Tokenizer.from_dir(path), tokenizer, model)
+        draft_config = replace(config, kv_cache_tokens=num_tokens, speculative_config=None,
+                               enable_prefix_caching=False)
+        self.runner = ModelRunner(path, draft_config)
+        if self.runner.model.config.vocab_size < vocab_limit:
+            raise ValueError(f"the draft model {model!r} has {self.runner.model.config.vocab_size} token ids, "
+                             f"fewer than the target's {vocab_limit}")
+        self.vocab_limit = vocab_limit
+        self.blocks = BlockManager(self.runner.pool.num_blocks, config.block_size, enable_prefix_caching=False)
+        self.seqs: dict[Sequence, DraftSequence] = {}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] greedy draft tokens after each sequence's tokens."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        mirrors = [self._sync(seq) for seq in seqs]
+        for step in range(max(ks, default=0)):
+            active = [i for i, k in enumerate(ks) if k > step and mirrors[i] is not None]
+            chunks = []
+            for i in active:
+                mirror = mirrors[i]
+                need = self.blocks.blocks_needed(len(mirror.token_ids)) - len(mirror.block_table)
+                if not self.blocks.can_allocate(need):
+                    self.release(seqs[i])  # pages short: this sequence drafts no further this step
+                    mirrors[i] = None
+                    continue
+                self.blocks.grow(mirror.block_table, len(mirror.token_ids))
+                chunks.append((mirror, mirror.num_uncomputed_tokens))
+            if not chunks:
+                break
+            inputs = self.runner.prepare(chunks)
+            tokens = argmax(self.runner.run(inputs)[:, : self.vocab_limit].float()).tolist()
+            for (mirror, chunk), token in zip(chunks, tokens, strict=True):
+                mirror.num_computed_tokens += chunk
+                mirror.token_ids.append(token)
+            for i in active:
+                if mirrors[i] is not None:
+                    drafts[i].append(mirrors[i].token_ids[-1])
+        return drafts
+
+    def _sync(self, seq: Sequence) -> DraftSequence:
+        """The mirror of seq, its computed K/V cut back to the tokens the target kept."""
+        mirror = self.seqs.get(seq)
+        if mirror is None:
+            mirror = self.seqs[seq] = DraftSequence()
+        agreed = mirror.num_synced  # the tokens before it are the target's and cannot have changed
+        limit = min(len(seq.token_ids), mirror.num_computed_tokens)
+        while agreed < limit and mirror.token_ids[agreed] == seq.token_ids[agreed]:
+            agreed += 1
+        mirror.num_computed_tokens = min(agreed, mirror.num_computed_tokens)
+        mirror.token_ids = list(seq.token_ids)
+        mirror.num_synced = len(seq.token_ids)
+        return mirror
+
+    def release(self, seq: Sequence) -> None:
+        """Return the draft pages of a finished (or starved) sequence."""
+        mirror = self.seqs.pop(seq, None)
+        if mirror is not None:
+            self.blocks.free_blocks(mirror.block_table)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, name: str) -> None:
+    """A draft must map text to the same ids as the target; raises ValueError if it does not."""
+    if draft is target:
+        return
+    same = (draft.n_vocab == target.n_vocab and draft.eos_token_id == target.eos_token_id
+            and draft.bos_token_id == target.bos_token_id
+            and all(draft.decode_bytes([i]) == target.decode_bytes([i]) for i in range(draft.n_vocab)))
+    if not same:
+        raise ValueError(f"the draft model {name!r} has a different tokenizer from the target's "
+                         f"({draft.n_vocab} vs {target.n_vocab} ids, or different tokens): a draft must share "
+                         "the target's tokenizer")

@@ -1,0 +1,127 @@
+"""The engine's side of speculation: drafts for the sequences about to decode, k adapted per sequence.
+
+Each sequence keeps an estimate of how often its drafts are accepted and drafts the k (0 to
+num_speculative_tokens) that maximizes the tokens gained per unit of work: a step with k drafts is
+expected to emit (1 - a^(k+1)) / (1 - a) tokens at acceptance a, and costs one target forward plus
+k draft forwards (`draft_cost` each) plus the k extra verified rows (`VERIFY_COST_PER_TOKEN` each).
+When no k beats plain decoding, the sequence stops drafting and probes again after a pause that
+doubles each time the probe fails.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minigpt.kv_cache import BlockManager
+from minigpt.sequence import Sequence
+from minigpt.speculative.config import SpeculativeConfig
+from minigpt.speculative.ngram import ngram_draft
+from minigpt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # engine_config imports this package to check speculative_config
+    from minigpt.engine_config import EngineConfig
+
+PRIOR_ACCEPTANCE = 0.7  # a new sequence's estimate: optimistic, so speculation is tried first
+SMOOTHING = 0.3  # weight of the latest step in the acceptance estimate
+VERIFY_COST_PER_TOKEN = 0.05  # a verified draft row's cost, in target decode forwards
+FIRST_PAUSE, MAX_PAUSE = 4, 64  # decode steps without drafts before speculation is tried again
+
+
+class _Adaptive:
+    """One sequence's acceptance estimate and drafting pause."""
+
+    def __init__(self) -> None:
+        self.acceptance = PRIOR_ACCEPTANCE
+        self.pause = 0  # decode steps left without drafts
+        self.next_pause = FIRST_PAUSE
+
+
+class Speculator:
+    """Proposes drafts (n-gram lookup or a draft model) and learns per sequence how many pay off."""
+
+    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, tokenizer: Tokenizer,
+                 vocab_limit: int, num_kv_tokens: int, target_params: int) -> None:
+        self.config = config
+        self.draft_model = None
+        self.draft_cost = 0.0  # one draft forward, in target forwards
+        if config.method == "draft_model":
+            from minigpt.speculative.draft import DraftModel
+
+            self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit)
+            self.draft_cost = sum(p.numel() for p in self.draft_model.runner.model.parameters()) / target_params
+        self._adaptive: dict[Sequence, _Adaptive] = {}
+
+    def draft(self, chunks: list[tuple[Sequence, int]], blocks: BlockManager,
+              max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
+        """The step's chunks with drafts added to its decodes (`draft_token_ids` set), within the step's token
+        budget and the free pages: speculation never preempts a sequence."""
+        budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
+        seqs, ks = [], []
+        for seq, chunk in chunks:
+            if chunk != 1 or seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens == 0:
+                continue  # a prompt chunk
+            if seq.grammar is not None:
+                continue  # structured outputs: the grammar takes one token a step
+            k = min(self._k(seq), seq.max_len - len(seq.token_ids) - 1, budget)  # never past max_tokens
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+                budget -= k
+        if not seqs:
+            return chunks
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose(seqs, ks)
+        else:
+            c = self.config
+            drafts = [ngram_draft(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                      for seq, k in zip(seqs, ks, strict=True)]
+        for seq, draft in zip(seqs, drafts, strict=True):
+            spare = len(seq.block_table) + len(blocks.free)
+            draft = draft[: spare * blocks.block_size - len(seq.token_ids)]
+            blocks.grow(seq.block_table, len(seq.token_ids) + len(draft))
+            seq.draft_token_ids = draft
+        return [(seq, chunk + len(seq.draft_token_ids)) for seq, chunk in chunks]
+
+    def _k(self, seq: Sequence) -> int:
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
+        state = self._adaptive.setdefault(seq, _Adaptive())
+        if state.pause:
+            state.pause -= 1
+            return 0
+        k = self._best_k(state.acceptance)
+        if k == 0:  # after a pause, probe again from the prior
+            state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
+            state.acceptance = PRIOR_ACCEPTANCE
+        return k
+
+    def _best_k(self, a: float) -> int:
+        best, best_gain = 0, 1.0
+        for k in range(1, self.config.num_speculative_tokens + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+            gain = tokens / (1 + k * (self.draft_cost + VERIFY_COST_PER_TOKEN))
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Account one verification of seq: per request counters and its acceptance estimate."""
+        seq.num_spec_steps += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        state = self._adaptive.get(seq)
+        if state is not None:
+            trials = num_accepted + (num_accepted < num_drafts)  # drafts after the first rejection are not tried
+            state.acceptance += SMOOTHING * (num_accepted / trials - state.acceptance)
+            if num_accepted:
+                state.next_pause = FIRST_PAUSE
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence and return its draft pages."""
+        self._adaptive.pop(seq, None)
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
+
+    def close(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.close()
