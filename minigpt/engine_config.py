@@ -44,9 +44,13 @@ class EngineConfig:
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's, one per core)", flag="--threads")
     compile: bool = _setting(False, "torch.compile the decode steps: faster decoding, minutes of compiling at start")
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
+    tensor_parallel_size: int = _setting(
+        1, "processes the model is sharded over by heads (gloo on the CPU, NCCL with one GPU per rank)"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting",
+                     "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
@@ -63,6 +67,9 @@ class EngineConfig:
                 ) from None
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported yet: use one or the other")
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:
