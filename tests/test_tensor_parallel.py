@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -150,3 +152,33 @@ def test_close_leaves_no_process(checkpoint_factory):
     llm.close()
     assert worker_pids() == before
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_process_ending_without_close_leaves_no_process(checkpoint_factory):
+    path = checkpoint_factory(**HEADS["4 heads"])
+    script = (
+        "import multiprocessing as mp\n"
+        "from minigpt import LLM, SamplingParams\n"
+        f"llm = LLM({str(path)!r}, tensor_parallel_size=2, kv_cache_tokens=256)\n"
+        "llm.generate('Hello', SamplingParams(max_tokens=2))\n"
+        "print(*[p.pid for p in mp.active_children()])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    (pid,) = map(int, done.stdout.split())
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_int8_shards_quantize_per_rank_close_to_one_rank(checkpoint_factory):
+    """Row-parallel shards get their own per-channel scales (over their half of the inputs): close to,
+    not equal to, 1 rank's int8."""
+    path = checkpoint_factory(**HEADS["4 heads"])
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    with LLM(str(path), quantize="int8", **ENGINE) as one, \
+            LLM(str(path), quantize="int8", tensor_parallel_size=2, **ENGINE) as two:
+        expected, got = one.generate(PROMPTS[:3], params), two.generate(PROMPTS[:3], params)
+        greedy = SamplingParams(max_tokens=16, temperature=0.0)
+        assert [o.token_ids for o in two.generate(PROMPTS[:3], greedy)] == \
+            [o.token_ids for o in one.generate(PROMPTS[:3], greedy)]
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(torch.tensor([t.logprob for t in have.prompt_logprobs[1:]]),
+                                   torch.tensor([t.logprob for t in want.prompt_logprobs[1:]]), rtol=5e-3, atol=1e-3)
