@@ -3,7 +3,7 @@ sends every step's inputs to the other ranks, runs its own shard and samples fro
 1..N-1 are worker processes this runner spawns: each loads its shard, then runs the steps it receives
 until it is told to stop or rank 0 goes away.
 
-Steps travel over one pipe per worker (a few KB of token ids and page tables, pickled); the
+Steps travel over one pipe per worker (a few KB of token ids and page tables, pickled as lists); the
 activations' all-reduces go through the process group (group.py). A worker that dies breaks the
 group: the step in flight fails (its collective errors or times out), and so does every later step.
 """
@@ -14,6 +14,7 @@ import multiprocessing as mp
 import pickle
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -89,12 +90,12 @@ class TensorParallelRunner(ModelRunner):
                 process.start()
                 child_conn.close()
                 self.ranks.workers.append(Worker(rank, process, conn))
-            shard = Shard(0, world)
-            super().__init__(path, config, shard)
+            self.shard = Shard(0, world)
+            super().__init__(path, config, self.shard)
             for worker in self.ranks.workers:
                 _wait_loaded(worker)
             self.ranks.group = open_group(store, 0, world, self.device)
-            shard.all_reduce = all_reducer(self.ranks.group)
+            self.shard.all_reduce = all_reducer(self.ranks.group)
         except BaseException:
             self._finalizer()
             raise
@@ -102,7 +103,7 @@ class TensorParallelRunner(ModelRunner):
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Every rank runs the step; rank 0's logits (full: the head is replicated) come back."""
         self._check_ranks()
-        payload = pickle.dumps(model_inputs(inputs, torch.device("cpu")), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(model_inputs(inputs, pack), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for worker in self.ranks.workers:
                 worker.conn.send_bytes(payload)
@@ -125,17 +126,26 @@ class TensorParallelRunner(ModelRunner):
         self._finalizer()
 
 
-def model_inputs(inputs: StepInputs, device: torch.device) -> StepInputs:
-    """What the model reads of a step, with its tensors on `device` (not the Sequences to sample)."""
+def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
+    """What the model reads of a step (not the Sequences to sample), each tensor through `convert`."""
     meta = inputs.meta
-    segments = [replace(seg, block_table=seg.block_table.to(device)) for seg in meta.prefills]
+    segments = [replace(seg, block_table=convert(seg.block_table)) for seg in meta.prefills]
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     meta = StepMetadata(
-        meta.slot_mapping.to(device), segments, meta.num_prefill_tokens,
-        None if tables is None else tables.to(device), None if lens is None else lens.to(device),
+        convert(meta.slot_mapping), segments, meta.num_prefill_tokens,
+        None if tables is None else convert(tables), None if lens is None else convert(lens),
     )
-    return StepInputs(inputs.input_ids.to(device), inputs.positions.to(device), meta,
-                      inputs.logits_indices.to(device), [], [], [])
+    return StepInputs(convert(inputs.input_ids), convert(inputs.positions), meta, convert(inputs.logits_indices),
+                      [], [], [])
+
+
+def pack(tensor: torch.Tensor) -> tuple[torch.dtype, list]:
+    """A step's tensor as what pickles fastest: its values as lists (a tensor pickles through torch.save)."""
+    return tensor.dtype, tensor.tolist()
+
+
+def unpacker(device: torch.device) -> Callable[[tuple[torch.dtype, list]], torch.Tensor]:
+    return lambda packed: torch.tensor(packed[1], dtype=packed[0], device=device)
 
 
 def _wait_loaded(worker: Worker) -> None:
@@ -167,6 +177,7 @@ def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConf
         return
     conn.send(None)
     group = open_group(store, rank, world, runner.device)
+    unpack = unpacker(runner.device)
     shard.all_reduce = all_reducer(group)
     with torch.inference_mode():
         while True:
@@ -176,6 +187,6 @@ def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConf
                 break
             if not payload:
                 break
-            runner.run(model_inputs(pickle.loads(payload), runner.device))
+            runner.run(model_inputs(pickle.loads(payload), unpack))
     runner.close()
     close_group(group)
