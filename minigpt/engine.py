@@ -23,11 +23,12 @@ from minigpt.engine_config import EngineConfig
 from minigpt.grammar import compiler_for, fill_bitmask
 from minigpt.kv_cache import BlockManager
 from minigpt.request import Prompt, Request
-from minigpt.runner import ModelRunner, StepInputs
+from minigpt.runner import StepInputs
 from minigpt.sampling import GrammarMask, Sampler, SamplingParams, prompt_logprobs
 from minigpt.scheduler import ScheduledBatch, Scheduler
 from minigpt.sequence import Sequence
 from minigpt.speculative import SpeculativeConfig, Speculator, accept, sampling_rows
+from minigpt.tensor_parallel import make_runner
 from minigpt.tokenizer import Tokenizer
 from minigpt.transfer import to_device
 from minigpt.weights import check_complete, resolve_checkpoint
@@ -46,7 +47,7 @@ class Engine:
         path = resolve_checkpoint(model)
         check_complete(path)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.runner = ModelRunner(path, config)
+        self.runner = make_runner(path, config)
         self.model_config = self.runner.model.config
         self.blocks = BlockManager(self.runner.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)

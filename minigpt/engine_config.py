@@ -50,9 +50,13 @@ class EngineConfig:
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'
     )
+    tensor_parallel_size: int = _setting(
+        1, "processes the model is sharded over by heads (gloo on the CPU, NCCL with one GPU per rank)"
+    )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting",
+                     "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
@@ -71,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported yet: use one or the other")
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,9 @@ from minigpt.activations import ACTIVATIONS
 from minigpt.attention import CausalAttention
 from minigpt.config import GPT2Config
 from minigpt.weights import load_state_into, resolve_checkpoint, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from minigpt.tensor_parallel.shard import Shard
 
 
 class Attention(Protocol):
@@ -217,13 +220,17 @@ def load_model(
     name_or_path: str | Path,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    shard: Shard | None = None,
 ) -> GPT2:
     """Build GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`:
-    built on the meta device, then filled by `minigpt.weights`."""
+    built on the meta device, then filled by `minigpt.weights`. With a tensor-parallel `shard`, only
+    that rank's part of the weights (minigpt/tensor_parallel/shard.py)."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_checkpoint(name_or_path)
     config = GPT2Config.from_json_file(path / "config.json")
     with torch.device("meta"), _SkipInit():
         model = GPT2(config, torch_dtype)
-    load_state_into(model, path, torch_dtype, torch_device)
+        if shard is not None:
+            shard.resize(model)
+    load_state_into(model, path, torch_dtype, torch_device, None if shard is None else shard.take)
     return model.eval().requires_grad_(False)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from minigpt.model import attention_inputs, attention_outputs, load_model
 from minigpt.sequence import Sequence
 from minigpt.transfer import to_device
 from minigpt.weights import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from minigpt.tensor_parallel.shard import Shard
 
 logger = logging.getLogger("minigpt")
 
@@ -47,10 +51,10 @@ class ModelRunner:
     """Loads the model (quantized or with the linears its device runs fastest), sizes and allocates the
     KV pool, picks the attention backend, compiles the steps (`compile=True`), and runs steps."""
 
-    def __init__(self, path: Path, config: EngineConfig) -> None:
+    def __init__(self, path: Path, config: EngineConfig, shard: Shard | None = None) -> None:
         self.config = config
         dtype, self.device = resolve_dtype(config.dtype), resolve_device(config.device)
-        self.model = load_model(path, dtype=dtype, device=self.device)
+        self.model = load_model(path, dtype=dtype, device=self.device, shard=shard)
         if config.quantize is not None:
             from minigpt.quantize import quantize
 
@@ -58,8 +62,12 @@ class ModelRunner:
         else:
             prepare_linears(self.model, dtype, self.device)
         model_config = self.model.config
+        # A tensor-parallel rank's pool holds its heads' pages only
+        self.cache_config = model_config if shard is None else shard.cache_config(model_config)
+        if shard is not None:
+            shard.reduce_projections(self.model)
         kv_dtype = resolve_dtype(config.kv_cache_dtype or config.dtype)
-        self.pool = KVPool(model_config, self._num_blocks(kv_dtype), config.block_size, kv_dtype, self.device)
+        self.pool = KVPool(self.cache_config, self._num_blocks(kv_dtype), config.block_size, kv_dtype, self.device)
         self.scales, self.upcast = self.model.attention_scales(), model_config.reorder_and_upcast_attn
         self.backend = select_backend(config.attention_backend, self.device)
         self.halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs)
@@ -85,7 +93,7 @@ class ModelRunner:
             num_tokens = config.kv_cache_tokens
             num_blocks = num_tokens // bs
         else:  # from the memory budget, capped at max_num_seqs full contexts of whole pages each
-            num_tokens = config.kv_cache_memory // bytes_per_token(self.model.config, kv_dtype)
+            num_tokens = config.kv_cache_memory // bytes_per_token(self.cache_config, kv_dtype)
             num_blocks = min(num_tokens // bs, config.max_num_seqs * -(-self.model.config.n_positions // bs))
         if num_blocks < 1:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no block of {bs} tokens")

@@ -15,8 +15,9 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,6 +45,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BLOCK = re.compile(r"h\.(\d+)\.")  # a transformer block's key, without the "transformer." prefix
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
+
+
+# The part of a checkpoint tensor a model holds: (key without "transformer.", a safetensors slice or
+# a tensor) -> tensor
+Take = Callable[[str, Any], torch.Tensor]
 
 
 class CheckpointError(ValueError):
@@ -157,15 +163,19 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of one weights file, one tensor in memory at a time for safetensors."""
+def _read_tensors(file: Path, take: Take | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one weights file, one tensor in memory at a time for safetensors;
+    with `take`, the part of each tensor it picks (from safetensors, only that part is read)."""
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if take is None:
+                        yield name, handle.get_tensor(name)
+                    else:
+                        yield name, take(name.removeprefix("transformer."), handle.get_slice(name))
         except Exception as err:
             if isinstance(err, CheckpointError):
                 raise
@@ -186,7 +196,8 @@ def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise CheckpointError(f"cannot read {file}: {err}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} does not hold a state dict")
-    yield from state.items()
+    for name, tensor in state.items():
+        yield name, tensor if take is None else take(name.removeprefix("transformer."), tensor)
 
 
 def _model_key(name: str) -> str | None:
@@ -206,15 +217,18 @@ def _in_layer_order(name: str) -> list[str | int]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def load_state_into(model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+def load_state_into(
+    model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device, take: Take | None = None
+) -> None:
     """Fill a meta-device `model` (a `GPT2`: `config`, `wte`, `lm_head`) from the weight files in `path`,
-    strictly: every parameter present with its shape, no key left over."""
+    strictly: every parameter present with its shape, no key left over. `take(key, source)`: the part
+    of each checkpoint tensor this model holds (a tensor-parallel shard), indexing `source`."""
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _weight_files(path):
-        for name, tensor in _read_tensors(file):
+        for name, tensor in _read_tensors(file, take):
             key = _model_key(name)
             if key is None or (tied and key == "lm_head.weight"):
                 continue

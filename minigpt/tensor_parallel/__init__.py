@@ -1,0 +1,17 @@
+"""Tensor parallelism over torch.distributed: the model sharded over `tensor_parallel_size` processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minigpt.engine_config import EngineConfig
+from minigpt.runner import ModelRunner
+
+
+def make_runner(path: Path, config: EngineConfig) -> ModelRunner:
+    """The engine's model runner: one process's, or rank 0's of a tensor-parallel group."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(path, config)
+    from minigpt.tensor_parallel.runner import TensorParallelRunner
+
+    return TensorParallelRunner(path, config)

@@ -1,0 +1,50 @@
+"""The ranks' process group: torch.distributed's gloo on the CPU, NCCL on CUDA, rendezvous over a
+TCP store on this machine. The group is a plain object, not torch.distributed's default group, so a
+process can hold several (two tensor-parallel LLMs) beside a default group of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a rank that stops answering fails the step after this
+JOIN_TIMEOUT = timedelta(seconds=120)  # the ranks have loaded their shards: joining is quick
+
+
+def open_store(world: int) -> dist.TCPStore:
+    """Rank 0's store, on a free port of this machine (`store.port`)."""
+    return dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+
+
+def join_store(port: int, world: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout=JOIN_TIMEOUT)
+
+
+def open_group(store: dist.Store, rank: int, world: int, device: torch.device) -> dist.ProcessGroup:
+    """Join the `world` ranks' group (every rank calls this at once): NCCL on CUDA, gloo on the CPU."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+    return dist.ProcessGroupGloo(store, rank, world, COLLECTIVE_TIMEOUT)
+
+
+def all_reducer(group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
+    """Sum a tensor over the group's ranks, in place."""
+
+    def all_reduce(tensor: torch.Tensor) -> None:
+        group.allreduce([tensor]).wait()
+
+    return all_reduce
+
+
+def close_group(group: dist.ProcessGroup | None) -> None:
+    """Release the group's connections (peers may already be gone)."""
+    if group is not None and hasattr(group, "shutdown"):
+        try:
+            group.shutdown()
+        except RuntimeError:
+            pass

@@ -1,0 +1,201 @@
+"""Tensor parallelism's processes. Rank 0 is the caller's process: its engine schedules, its runner
+sends every step's inputs to the other ranks, runs its own shard and samples from the logits. Ranks
+1..N-1 are worker processes this runner spawns: each loads its shard, then runs the steps it receives
+until it is told to stop or rank 0 goes away.
+
+Steps travel over one pipe per worker (a few KB of token ids and page tables, pickled as lists); the
+activations' all-reduces go through the process group (group.py). A worker that dies breaks the
+group: the step in flight fails (its collective errors or times out), and so does every later step.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from minigpt.attention import StepMetadata
+from minigpt.config import GPT2Config
+from minigpt.engine_config import EngineConfig
+from minigpt.runner import ModelRunner, StepInputs
+from minigpt.tensor_parallel.group import all_reducer, close_group, join_store, open_group, open_store
+from minigpt.tensor_parallel.shard import Shard, check_divisible
+from minigpt.weights import resolve_device
+
+LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
+STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated
+
+
+@dataclass
+class Worker:
+    rank: int
+    process: mp.Process
+    conn: Connection
+
+
+class Ranks:
+    """The worker processes and the group; `stop()` ends them all, at close or (as a finalizer) when the
+    runner is collected or the process exits."""
+
+    def __init__(self) -> None:
+        self.workers: list[Worker] = []
+        self.group = None
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(b"")  # stop
+            except OSError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for worker in self.workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        close_group(self.group)
+        self.workers, self.group = [], None
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's model runner: starts ranks 1..N-1, runs each step on every rank."""
+
+    def __init__(self, path: Path, config: EngineConfig) -> None:
+        world = config.tensor_parallel_size
+        check_divisible(GPT2Config.from_json_file(path / "config.json"), world)
+        device = resolve_device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs (one per rank); "
+                             f"this machine has {torch.cuda.device_count()}")
+        self.ranks = Ranks()
+        self._finalizer = weakref.finalize(self, self.ranks.stop)
+        self._broken: str | None = None
+        self._copies: list[tuple[int, int]] = []  # beam search's copy-on-write blocks, sent with the next step
+        try:
+            store = open_store(world)
+            context = mp.get_context("spawn")
+            for rank in range(1, world):
+                conn, child_conn = context.Pipe()
+                process = context.Process(
+                    target=worker_main, args=(rank, world, store.port, path, config, child_conn),
+                    name=f"minigpt-tp-rank{rank}", daemon=True,
+                )
+                process.start()
+                child_conn.close()
+                self.ranks.workers.append(Worker(rank, process, conn))
+            self.shard = Shard(0, world)
+            super().__init__(path, config, self.shard)
+            for worker in self.ranks.workers:
+                _wait_loaded(worker)
+            self.ranks.group = open_group(store, 0, world, self.device)
+            self.shard.all_reduce = all_reducer(self.ranks.group)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Every rank runs the step; rank 0's logits (full: the head is replicated) come back."""
+        self._check_ranks()
+        step, self._copies = (self._copies, model_inputs(inputs, pack)), []
+        payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for worker in self.ranks.workers:
+                worker.conn.send_bytes(payload)
+            return super().run(inputs)
+        except Exception as err:
+            self._broken = f"a tensor-parallel step failed ({type(err).__name__}: {err})"
+            self._check_ranks()  # name the rank that died, if one did
+            raise RuntimeError(self._broken + "; close this LLM and start another") from err
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy rank 0's heads' pages now, the workers' with the next step."""
+        super().copy_blocks(copies)
+        self._copies += copies
+
+    def _check_ranks(self) -> None:
+        for worker in self.ranks.workers:
+            if not worker.process.is_alive():
+                self._broken = (f"tensor-parallel rank {worker.rank} exited (exit code {worker.process.exitcode}); "
+                                "close this LLM and start another")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def close(self) -> None:
+        super().close()
+        self._finalizer()
+
+
+def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
+    """What the model reads of a step (not the Sequences to sample), each tensor through `convert`."""
+    meta = inputs.meta
+    segments = [replace(seg, block_table=convert(seg.block_table)) for seg in meta.prefills]
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    meta = StepMetadata(
+        convert(meta.slot_mapping), segments, meta.num_prefill_tokens,
+        None if tables is None else convert(tables), None if lens is None else convert(lens),
+    )
+    return StepInputs(convert(inputs.input_ids), convert(inputs.positions), meta, convert(inputs.logits_indices),
+                      [], [], [])
+
+
+def pack(tensor: torch.Tensor) -> tuple[torch.dtype, list]:
+    """A step's tensor as what pickles fastest: its values as lists (a tensor pickles through torch.save)."""
+    return tensor.dtype, tensor.tolist()
+
+
+def unpacker(device: torch.device) -> Callable[[tuple[torch.dtype, list]], torch.Tensor]:
+    return lambda packed: torch.tensor(packed[1], dtype=packed[0], device=device)
+
+
+def _wait_loaded(worker: Worker) -> None:
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while not worker.conn.poll(0.2):
+        if not worker.process.is_alive():
+            raise RuntimeError(f"tensor-parallel rank {worker.rank} exited while starting "
+                               f"(exit code {worker.process.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel rank {worker.rank} did not load its shard in {LOAD_TIMEOUT_S} s")
+    error = worker.conn.recv()
+    if error is not None:
+        raise RuntimeError(f"tensor-parallel rank {worker.rank} could not start: {error}")
+
+
+def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConfig, conn: Connection) -> None:
+    """Rank `rank`: load the shard, join the group, then run steps until told to stop (an empty message)
+    or until rank 0's end of the pipe closes."""
+    try:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if resolve_device(config.device).type == "cuda":
+            torch.cuda.set_device(rank)
+        shard = Shard(rank, world)
+        runner = ModelRunner(path, config, shard)
+        store = join_store(port, world)
+    except Exception as err:
+        conn.send(f"{type(err).__name__}: {err}")
+        return
+    conn.send(None)
+    group = open_group(store, rank, world, runner.device)
+    unpack = unpacker(runner.device)
+    shard.all_reduce = all_reducer(group)
+    with torch.inference_mode():
+        while True:
+            try:
+                payload = conn.recv_bytes()
+            except EOFError:
+                break
+            if not payload:
+                break
+            copies, inputs = pickle.loads(payload)
+            runner.copy_blocks(copies)
+            runner.run(model_inputs(inputs, unpack))
+    runner.close()
+    close_group(group)
