@@ -114,7 +114,7 @@ def test_beams_share_pages_and_copy_on_write(llm):
     beams sharing it diverge, far fewer pages than 4 separate sequences."""
     held, copies = [], []
 
-    def watch(batch, sampled):
+    def watch(batch, sampled, num_tokens):
         held.append(llm.kv_cache_info["blocks_in_use"])
         copies.extend(batch.copies)
 
