@@ -138,7 +138,7 @@ def test_small_pool_preempts_and_gives_the_same_beams(eos_checkpoint, llm, kv_ca
     with LLM(str(eos_checkpoint), dtype="float32", block_size=4, kv_cache_tokens=kv_cache_tokens,
              enable_prefix_caching=prefix_caching) as small:
         preempted = []
-        small.engine.on_step = lambda batch, sampled: preempted.extend(batch.preempted)
+        small.engine.on_step = lambda batch, sampled, num_tokens: preempted.extend(batch.preempted)
         outs = small.beam_search(PROMPTS, params)
         assert preempted
         assert [[s.token_ids for s in out.sequences] for out in outs] == expected
