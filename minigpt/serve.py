@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
-        import jinja2  # noqa: F401  (chat templates)
+        import jinja2  # noqa: F401  (the server extra, checked here even when its modules are loaded already)
+        import uvicorn  # noqa: F401
 
         from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
         from minigpt.server.chat_template import ChatTemplate

@@ -251,6 +251,17 @@ def test_openapi_schema_describes_the_chat_fields(served):
     assert set(SHARED_FIELDS) <= set(CompletionRequest.model_fields)  # each passed on under its own name
 
 
+def test_tokenize_renders_the_chat_form(served, reference):
+    """vLLM's chat form of /tokenize: the prompt ids /v1/chat/completions generates from."""
+    import httpx
+
+    got = httpx.post(f"{served.url}/tokenize", json={"messages": MESSAGES}).json()
+    assert got["tokens"] == rendered_ids(reference, MESSAGES) and got["count"] == len(got["tokens"])
+    bare = httpx.post(f"{served.url}/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+    want = ChatTemplate(CHATML).render(MESSAGES, add_generation_prompt=False)
+    assert bare["tokens"] == reference.tokenizer.encode(want, add_special_tokens=False)
+
+
 def test_template_errors_are_400s(served):
     alternating = ChatTemplate(ALTERNATING)
     with run_server(build_app(served.llm, MODEL, chat_template=alternating)) as url:

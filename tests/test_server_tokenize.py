@@ -96,7 +96,8 @@ def test_add_special_tokens_with_a_bos_tokenizer(checkpoint, tmp_path):
     ("/tokenize", {"prompt": [1, 2]}, 400, "prompt", "string"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, 400, "add_special_tokens", "boolean"),
     ("/tokenize", {"prompt": "hi", "max_tokens": 3}, 400, "max_tokens", "unknown field"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "only the prompt form"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "--chat-template FILE"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "not both"),
     ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
     ("/detokenize", {}, 400, "tokens", "required"),
     ("/detokenize", {"tokens": "hi"}, 400, "tokens", "list"),
@@ -120,9 +121,9 @@ def test_openapi_schema_describes_the_request_fields(served):
     for path, model in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith(f"/{model}")
-    assert set(components["TokenizeRequest"]["properties"]) == {"model", "prompt", "add_special_tokens",
-                                                                 "return_token_strs"}
-    assert components["TokenizeRequest"]["required"] == ["prompt"]
+    assert set(components["TokenizeRequest"]["properties"]) == {
+        "model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs", "add_special_tokens",
+        "return_token_strs"}
     assert set(components["DetokenizeRequest"]["properties"]) == {"model", "tokens"}
     assert "get" in schema["paths"]["/tokenizer_info"]
 

@@ -55,7 +55,7 @@ def build_app(
     v1.add_api_route("/models", server.models, methods=["GET"])
     app.include_router(v1)
     # vLLM's paths: at the root, where lm-eval looks for them beside <root>/v1/completions
-    tokenization = Tokenization(llm.tokenizer, model_name, llm.engine.model_config.n_positions)
+    tokenization = Tokenization(llm.tokenizer, model_name, llm.engine.model_config.n_positions, chat_template)
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenization.tokenizer_info, methods=["GET"])

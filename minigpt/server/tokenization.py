@@ -9,30 +9,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from minigpt.server.chat import NO_TEMPLATE, ChatMessage
+from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import check_model, invalid
 from minigpt.tokenizer import Tokenizer
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's text form of /tokenize (its chat form, `messages`, is not supported)."""
+    """vLLM's /tokenize: a `prompt`, or a conversation (`messages`) rendered by the chat template first."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True  # the BOS token, for a tokenizer that adds one
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # the chat form's, as in /v1/chat/completions
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="the BOS token, for a tokenizer that adds one (default: true for a prompt, false for "
+                          "messages, whose template writes its own)")
     return_token_strs: bool | None = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_chat_form(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "messages" in data:
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
             # an APIError, not a ValueError: pydantic passes it on to the app's handler as it is
-            raise invalid("only the prompt form of /tokenize is supported (not its chat form, messages)",
-                          "messages")
-        return data
+            if self.prompt is None:
+                raise invalid("prompt is required (or messages, for the chat form)", "prompt")
+            raise invalid("give prompt or messages, not both", "messages")
+        return self
 
 
 class DetokenizeRequest(BaseModel):
@@ -43,16 +50,30 @@ class DetokenizeRequest(BaseModel):
 
 
 class Tokenization:
-    """The three endpoints over one tokenizer, serving `model_name` with a context of `max_model_len`."""
+    """The three endpoints over one tokenizer, serving `model_name` with a context of `max_model_len`;
+    `template` renders the chat form of /tokenize (without one, that form is a 400)."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 template: ChatTemplate | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.template = template
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         check_model(body.model, self.model_name)
-        ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        text, add_special_tokens = body.prompt, body.add_special_tokens
+        if body.messages is not None:
+            if self.template is None:
+                raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
+            try:
+                text = self.template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
+                                            body.chat_template_kwargs)
+            except ChatTemplateError as err:
+                raise invalid(str(err), "messages") from None
+        if add_special_tokens is None:
+            add_special_tokens = body.messages is None
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [self.tokenizer.token_text(i) for i in ids]
