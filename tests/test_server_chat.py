@@ -309,3 +309,21 @@ def test_cli_refuses_a_bad_template_before_loading(checkpoint, tmp_path, capsys,
     assert serve.main(["--model", str(checkpoint), "--port", str(free_port()), "--chat-template", str(template)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("minigpt.serve: error:") and says in err[0], err
+
+
+def test_response_format_constrains_chat(served):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    response = served.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=30, n=3, seed=1, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        assert set(json.loads(choice.message.content)) == {"ok"}
+    refused = served.client().with_options(max_retries=0).chat.completions
+    with pytest.raises(openai.BadRequestError) as err:
+        refused.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                       extra_body={"structured_outputs": {"regex": "("}})
+    assert err.value.body["param"] == "structured_outputs"
+    wait_idle(served.llm)

@@ -19,7 +19,14 @@ from minigpt.sampling import TokenLogprobs
 from minigpt.server import protocol
 from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import APIError, check_model, invalid
-from minigpt.server.protocol import Bias, CompletionRequest, StreamOptions, TokenIdKey
+from minigpt.server.protocol import (
+    Bias,
+    CompletionRequest,
+    ResponseFormat,
+    StreamOptions,
+    StructuredOutputs,
+    TokenIdKey,
+)
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.tokenizer import Tokenizer
 
@@ -31,7 +38,7 @@ NO_TEMPLATE = ("this model has no chat template: start the server with --chat-te
 # The fields a chat request passes on to the completions mapping unchanged
 SHARED_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "stream",
                  "stream_options", "logit_bias", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-                 "stop_token_ids", "min_tokens", "allowed_token_ids")
+                 "stop_token_ids", "min_tokens", "allowed_token_ids", "structured_outputs", "response_format")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
@@ -90,6 +97,8 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
 
@@ -131,7 +140,7 @@ class ChatServer:
         completion = body.completion(prompt, context_left)
         params = completion.sampling_params()
         completion.prompts()  # the request-size checks of /v1/completions
-        handles = server.submit([prompt], params)
+        handles = server.submit([prompt], params, completion.structured_param)
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
