@@ -71,6 +71,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--workloads", default="ngram,draft,ceiling")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     paths = checkpoints(args.workdir)
     setups = {
@@ -80,15 +82,17 @@ def main() -> int:
         "ceiling": (paths["gpt2"], {"method": "draft_model", "model": str(paths["gpt2"]),
                                     "num_speculative_tokens": args.k}),
     }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.max_tokens} greedy tokens per "
-          f"sequence, median of {args.repeats}")
+    threads = args.threads or torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, {args.max_tokens} greedy tokens per sequence, "
+          f"median of {args.repeats}")
     print("| workload | batch | plain tok/s | adaptive tok/s (x) | fixed k tok/s (x) | acceptance (fixed k) |")
     print("|---|---|---|---|---|---|")
     for name in args.workloads.split(","):
         target, spec = setups[name]
-        llms = {"plain": LLM(str(target)), "adaptive": LLM(str(target), speculative_config=spec),
-                "fixed": LLM(str(target), speculative_config={**spec, "adaptive": False})}
-        for batch in (1, 8):
+        engine = {"num_threads": args.threads, "kv_cache_tokens": 8192}
+        llms = {"plain": LLM(str(target), **engine), "adaptive": LLM(str(target), speculative_config=spec, **engine),
+                "fixed": LLM(str(target), speculative_config={**spec, "adaptive": False}, **engine)}
+        for batch in map(int, args.batches.split(",")):
             batch_prompts = prompts(name, batch)
             results = {mode: measure(llm, batch_prompts, args.max_tokens, args.repeats) for mode, llm in llms.items()}
             base, want, _ = results["plain"]

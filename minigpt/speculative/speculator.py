@@ -4,8 +4,8 @@ Each sequence keeps an estimate of how often its drafts are accepted and drafts 
 num_speculative_tokens) that maximizes the tokens gained per unit of work: a step with k drafts is
 expected to emit (1 - a^(k+1)) / (1 - a) tokens at acceptance a, and costs one target forward plus
 k draft forwards (`draft_cost` each) plus the k extra verified rows (`VERIFY_COST_PER_TOKEN` each).
-When no k beats plain decoding, the sequence stops drafting and probes again after a pause that
-doubles each time the probe fails.
+When no k beats plain decoding, the sequence stops drafting and probes again with one draft after a
+pause that doubles each time the probe fails.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ PRIOR_ACCEPTANCE = 0.7  # a new sequence's estimate: optimistic, so speculation 
 SMOOTHING = 0.3  # weight of the latest step in the acceptance estimate
 VERIFY_COST_PER_TOKEN = 0.05  # a verified draft row's cost, in target decode forwards
 FIRST_PAUSE, MAX_PAUSE = 4, 64  # decode steps without drafts before speculation is tried again
+PROBE_MARGIN = 0.05
 
 
 class _Adaptive:
@@ -50,6 +51,8 @@ class Speculator:
             self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit)
             self.draft_cost = sum(p.numel() for p in self.draft_model.runner.model.parameters()) / target_params
         self._adaptive: dict[Sequence, _Adaptive] = {}
+        # just above the break-even of one draft: (1 + a) tokens for 1 + draft_cost + VERIFY_COST_PER_TOKEN
+        self._probe_acceptance = min(self.draft_cost + VERIFY_COST_PER_TOKEN + PROBE_MARGIN, PRIOR_ACCEPTANCE)
 
     def draft(self, chunks: list[tuple[Sequence, int]], blocks: BlockManager,
               max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
@@ -90,9 +93,9 @@ class Speculator:
             state.pause -= 1
             return 0
         k = self._best_k(state.acceptance)
-        if k == 0:  # after a pause, probe again from the prior
+        if k == 0:  # after a pause, probe: one accepted draft keeps drafting on, one rejected pauses again
             state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
-            state.acceptance = PRIOR_ACCEPTANCE
+            state.acceptance = self._probe_acceptance
         return k
 
     def _best_k(self, a: float) -> int:
