@@ -46,7 +46,7 @@ class Timed:
 
 def run_setup(model: str, ranks: int, threads: int, stream: W.StreamWorkload, batch: W.BatchWorkload,
               repeats: int) -> list[list]:
-    llm = LLM(model, tensor_parallel_size=ranks, num_threads=threads, kv_cache_tokens=32 * 1024)
+    llm = LLM(model, tensor_parallel_size=ranks, num_threads=threads, kv_cache_tokens=8192)
     engine = llm.engine
     runner = engine.runner
     reduce = None
@@ -83,6 +83,7 @@ def run_setup(model: str, ranks: int, threads: int, stream: W.StreamWorkload, ba
                      f"{tokens / statistics.median(times):.1f}", f"{statistics.median(step_ms):.2f}",
                      f"{statistics.median(reduce_ms):.2f}" if reduce_ms else "-",
                      f"{pickle_ms:.3f}" if ranks > 1 else "-"])
+        print("[bench]", *rows[-1], file=sys.stderr, flush=True)
         last.clear()
     llm.close()
     return rows
