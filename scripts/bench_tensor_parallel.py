@@ -1,5 +1,6 @@
-"""Tensor parallelism on one machine: 1 rank with T threads against N ranks with T/N threads each,
-on one stream and on a batch of concurrent queries, with where rank 0's step time goes.
+"""Tensor parallelism on one machine: 1 rank with T threads against N ranks with T/N threads each
+(and, as a control, 1 rank with T/N threads), on one stream and on a batch of concurrent queries,
+with where rank 0's step time goes.
 
     python scripts/bench_tensor_parallel.py --model checkpoints/gpt2-random [--ranks 2 --threads 2]
 
@@ -121,14 +122,17 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="threads in all: one rank gets them all")
     parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--query-tokens", type=int, default=64, help="new tokens per query")
     parser.add_argument("--stream-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     encode = W.load_encoder(args.model)
     stream = W.seed001(encode, max_new_tokens=args.stream_tokens)
-    batch = W.seed000(encode, n_prompts=args.queries)
-    rows = run_setup(args.model, 1, args.threads, stream, batch, args.repeats)
-    rows += run_setup(args.model, args.ranks, args.threads // args.ranks, stream, batch, args.repeats)
+    batch = W.seed000(encode, n_prompts=args.queries, max_new_tokens=args.query_tokens)
+    share = args.threads // args.ranks
+    rows = []  # 1 rank with every thread, 1 rank with one rank's share (a control), N ranks
+    for ranks, threads in ((1, args.threads), (1, share), (args.ranks, share)):
+        rows += run_setup(args.model, ranks, threads, stream, batch, args.repeats)
     rows.sort(key=lambda row: row[0] != "stream")
     header = ["workload", "ranks x threads", "tok/s", "ms/step", "all-reduce ms/step (rank 0)", "pickle ms/step"]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
