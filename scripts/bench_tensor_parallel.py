@@ -1,5 +1,6 @@
-"""Tensor parallelism on one machine: 1 rank with T threads against N ranks with T/N threads each,
-on one stream and on a batch of concurrent queries, with where rank 0's step time goes.
+"""Tensor parallelism on one machine: 1 rank with T threads against N ranks with T/N threads each
+(and, as a control, 1 rank with T/N threads), on one stream and on a batch of concurrent queries,
+with where rank 0's step time goes.
 
     python scripts/bench_tensor_parallel.py --model checkpoints/gpt2-random [--ranks 2 --threads 2]
 
@@ -46,7 +47,7 @@ class Timed:
 
 def run_setup(model: str, ranks: int, threads: int, stream: W.StreamWorkload, batch: W.BatchWorkload,
               repeats: int) -> list[list]:
-    llm = LLM(model, tensor_parallel_size=ranks, num_threads=threads, kv_cache_tokens=32 * 1024)
+    llm = LLM(model, tensor_parallel_size=ranks, num_threads=threads, kv_cache_tokens=8192)
     engine = llm.engine
     runner = engine.runner
     reduce = None
@@ -83,6 +84,7 @@ def run_setup(model: str, ranks: int, threads: int, stream: W.StreamWorkload, ba
                      f"{tokens / statistics.median(times):.1f}", f"{statistics.median(step_ms):.2f}",
                      f"{statistics.median(reduce_ms):.2f}" if reduce_ms else "-",
                      f"{pickle_ms:.3f}" if ranks > 1 else "-"])
+        print("[bench]", *rows[-1], file=sys.stderr, flush=True)
         last.clear()
     llm.close()
     return rows
@@ -120,14 +122,17 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="threads in all: one rank gets them all")
     parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--query-tokens", type=int, default=64, help="new tokens per query")
     parser.add_argument("--stream-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     encode = W.load_encoder(args.model)
     stream = W.seed001(encode, max_new_tokens=args.stream_tokens)
-    batch = W.seed000(encode, n_prompts=args.queries)
-    rows = run_setup(args.model, 1, args.threads, stream, batch, args.repeats)
-    rows += run_setup(args.model, args.ranks, args.threads // args.ranks, stream, batch, args.repeats)
+    batch = W.seed000(encode, n_prompts=args.queries, max_new_tokens=args.query_tokens)
+    share = args.threads // args.ranks
+    rows = []  # 1 rank with every thread, 1 rank with one rank's share (a control), N ranks
+    for ranks, threads in ((1, args.threads), (1, share), (args.ranks, share)):
+        rows += run_setup(args.model, ranks, threads, stream, batch, args.repeats)
     rows.sort(key=lambda row: row[0] != "stream")
     header = ["workload", "ranks x threads", "tok/s", "ms/step", "all-reduce ms/step (rank 0)", "pickle ms/step"]
     print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
