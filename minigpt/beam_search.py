@@ -42,7 +42,8 @@ class BeamGroup:
         self.beams: list[Sequence] = [request.seqs[0]] * k
         self.scores = torch.full((k,), NEG)
         self.scores[0] = 0.0
-        self.pending: dict[int, torch.Tensor] = {}  # id(beam) -> its next-token logprobs [vocab]
+        # id(beam) -> its num_candidates best next tokens: (logprobs, ids), best first
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.finished_scores = torch.full((k,), NEG)
         self.finished_flags = torch.zeros(k, dtype=torch.bool)
         self.hypotheses: list[tuple[list[int], float] | None] = [None] * k  # (generated ids, cumulative logprob)
@@ -58,21 +59,19 @@ class BeamGroup:
     def finished(self) -> bool:
         return self.done or any(seq.finished for seq in self.seqs)
 
-    def receive(self, beam: Sequence, logprobs: torch.Tensor) -> bool:
-        """Store a beam's next-token logprobs (fp32, on the CPU); True once every live beam has its own."""
-        self.pending[id(beam)] = logprobs
+    def receive(self, beam: Sequence, logprobs: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        """Store a beam's best next tokens (at least num_candidates, fp32 logprobs and their ids, best first,
+        on the CPU); True once every live beam has its own."""
+        self.pending[id(beam)] = logprobs[: self.num_candidates], token_ids[: self.num_candidates]
         return all(id(beam) in self.pending for beam in self.beams)
 
-    def advance(self, scheduler: Scheduler) -> None:
-        """One beam-search step over the pending logprobs: offer finished hypotheses, then fork, extend
-        and prune the beams (or end the search, pruning them all)."""
+    def advance(self, top_scores: torch.Tensor, parents: list[int], tokens: list[int], scheduler: Scheduler) -> None:
+        """One beam-search step from the best continuations of all beams, best first (`advance_all` finds
+        them): offer finished hypotheses, then fork, extend and prune the beams (or end the search, pruning
+        them all)."""
         k, es, lp, max_tokens = self.params.beam_width, self.early_stopping, self.params.length_penalty, \
             self.params.max_tokens
-        logprobs = torch.stack([self.pending[id(beam)] for beam in self.beams])  # [k, vocab]
         self.pending.clear()
-        vocab = logprobs.shape[-1]
-        top_scores, top_index = torch.topk((logprobs + self.scores[:, None]).reshape(-1), self.num_candidates)
-        parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
         length = len(self.beams[0].output_token_ids) + 1  # generated tokens, this step's included
         hits = torch.tensor([t in self.eos or length >= max_tokens for t in tokens])
 
@@ -170,3 +169,20 @@ class BeamGroup:
         metrics = RequestMetrics(scheduled - t.arrival, first_token - t.arrival,
                                  (end - first_token) / (steps - 1) if steps > 1 else 0.0, 0)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics)
+
+
+def advance_all(groups: list[BeamGroup], scheduler: Scheduler) -> None:
+    """Advance groups that have every beam's best tokens. The best continuations of a group, by logprob +
+    beam score, are among its beams' own best num_candidates: one batched top-k over those per width."""
+    by_shape: dict[tuple[int, int], list[BeamGroup]] = {}
+    for group in groups:
+        by_shape.setdefault((group.params.beam_width, group.num_candidates), []).append(group)
+    for (k, n), same in by_shape.items():
+        best = [group.pending[id(beam)] for group in same for beam in group.beams]
+        logprobs = torch.stack([lp for lp, _ in best]).view(len(same), k, n)
+        token_ids = torch.stack([ids for _, ids in best]).view(len(same), k * n)
+        scores = torch.stack([group.scores for group in same])  # [G, k]
+        top_scores, flat = torch.topk((logprobs + scores[:, :, None]).view(len(same), k * n), n)
+        parents, tokens = (flat // n).tolist(), token_ids.gather(1, flat).tolist()
+        for i, group in enumerate(same):
+            group.advance(top_scores[i], parents[i], tokens[i], scheduler)

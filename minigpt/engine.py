@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from minigpt.beam_params import BeamSearchParams
-from minigpt.beam_search import BeamGroup
+from minigpt.beam_search import BeamGroup, advance_all
 from minigpt.config import eos_token_ids
 from minigpt.engine_config import EngineConfig
 from minigpt.grammar import compiler_for, fill_bitmask
@@ -261,17 +261,18 @@ class Engine:
         return to_device(rows, torch.int64, self.runner.device)
 
     def _advance_beams(self, beams: list[Sequence], logits: torch.Tensor) -> None:
-        """Hand each beam its next-token logprobs (fp32, over the model's whole vocabulary as transformers
-        takes them, ids past the tokenizer's excluded); advance the groups that have all theirs."""
+        """Hand each beam its best next tokens (fp32 log_softmax over the model's whole vocabulary, as
+        transformers takes it, ids past the tokenizer's excluded); advance the groups that have all theirs."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         logprobs[:, self.vocab_limit :] = -torch.inf
+        groups = [self.beam_groups[beam.request_id] for beam in beams]
+        best, ids = logprobs.topk(max(group.num_candidates for group in groups), dim=-1)
         ready = []
-        for beam, row in zip(beams, logprobs.cpu(), strict=True):
-            group = self.beam_groups[beam.request_id]
-            if group.receive(beam, row) and group not in ready:
+        for beam, group, row_best, row_ids in zip(beams, groups, best.cpu(), ids.cpu(), strict=True):
+            if group.receive(beam, row_best, row_ids) and group not in ready:
                 ready.append(group)
+        advance_all(ready, self.scheduler)
         for group in ready:
-            group.advance(self.scheduler)
             if group.done:
                 del self.beam_groups[group.request_id]
 
