@@ -16,7 +16,7 @@ from minigpt.engine_config import EngineConfig
 from minigpt.generate import main
 from minigpt.speculative.ngram import ngram_draft
 
-from conftest import assert_all_free, hf_model, random_prompts
+from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
 # patterned prompts (the n-gram lookup finds them) among random ones, around the 16-token block
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [100, 200, 300] * 5 + [100], *random_prompts([1, 15, 17, 33, 60])]
@@ -76,8 +76,6 @@ def test_greedy_equals_no_speculation(tiny_checkpoint, plain, engine_args, metho
 
 
 def test_greedy_equals_transformers(tiny_checkpoint):
-    from conftest import hf_greedy
-
     ref = hf_model(tiny_checkpoint)
     with LLM(str(tiny_checkpoint), speculative_config=ngram()) as llm:
         outs = _greedy(llm)
@@ -235,3 +233,16 @@ def test_cli_flag(tiny_checkpoint, capsys):
         main(args + ["--speculative-config", "{not json"])
     err = capsys.readouterr().err
     assert "--speculative-config" in err and "JSON" in err
+
+
+@pytest.mark.slow
+def test_compiled_mode_verifies_eagerly_and_equals_transformers(tiny_checkpoint):
+    """compile=True: plain decodes run compiled, verification steps (prompt-like segments with a cached
+    context) eagerly; the tokens are transformers' greedy ones."""
+    ref = hf_model(tiny_checkpoint)
+    with LLM(str(tiny_checkpoint), compile=True, block_size=8, speculative_config=ngram()) as llm:
+        outs = _greedy(llm)
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+        assert_spec_free(llm)
+    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs, strict=True):
+        assert out.token_ids == hf_greedy(ref, prompt, m)
