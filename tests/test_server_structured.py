@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from test_server import MODEL, N_POSITIONS, Served, run_server
 
 from minigpt import AsyncLLM
+from minigpt.grammar import compiler_for
 from minigpt.server.app import build_app
 
 pytest.importorskip("llguidance")
@@ -103,3 +105,15 @@ def test_openapi_schema_describes_the_fields(served):
     assert {"structured_outputs", "response_format"} <= set(request)
     structured = schema["components"]["schemas"]["StructuredOutputs"]["properties"]
     assert set(structured) == {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def test_missing_extra_is_a_400_naming_the_install(served, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    compiler_for.cache_clear()
+    try:
+        out = complete(served, structured_outputs={"regex": "[ab]"}, n=1)
+    finally:
+        compiler_for.cache_clear()
+    assert out.status_code == 400, out.text
+    error = out.json()["error"]
+    assert error["param"] == "structured_outputs" and "pip install minigpt[structured]" in error["message"]
