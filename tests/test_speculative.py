@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 
 import pytest
 import torch
 
-from minigpt import LLM, AsyncLLM, SamplingParams
+from minigpt import LLM, AsyncLLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minigpt.engine_config import EngineConfig
 from minigpt.generate import main
 from minigpt.speculative.ngram import ngram_draft
@@ -233,6 +234,31 @@ def test_cli_flag(tiny_checkpoint, capsys):
         main(args + ["--speculative-config", "{not json"])
     err = capsys.readouterr().err
     assert "--speculative-config" in err and "JSON" in err
+
+
+def test_beam_search_is_refused_with_speculation(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), speculative_config=ngram()) as llm:
+        with pytest.raises(ValueError, match="beam search does not run with speculative_config"):
+            llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=4))
+        assert_spec_free(llm)
+
+
+def test_structured_outputs_decode_without_drafts_and_equal_no_speculation(tiny_checkpoint):
+    """A constrained sequence drafts nothing (its grammar takes one token a step); the unconstrained ones
+    beside it still speculate, and every output equals the one without speculation."""
+    pytest.importorskip("llguidance")
+    so = StructuredOutputsParams(regex=r"(ab|cd){3,12}")
+    params = [SamplingParams(max_tokens=24, structured_outputs=so, temperature=0.0),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)]
+    prompts = [PROMPTS[0], PROMPTS[0]]
+    with LLM(str(tiny_checkpoint)) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(tiny_checkpoint), speculative_config=ngram(adaptive=False)) as llm:
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert outs[0].metrics.num_draft_tokens == 0 < outs[1].metrics.num_draft_tokens
+        assert re.fullmatch(r"(ab|cd){3,12}", outs[0].text)
+        assert_spec_free(llm)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams
+from minigpt import LLM, BeamSearchParams, SamplingParams
 from minigpt.engine_config import EngineConfig, add_engine_arguments, engine_args_from
 from minigpt.model import load_model
 from minigpt.tensor_parallel.shard import Shard
@@ -182,3 +182,19 @@ def test_int8_shards_quantize_per_rank_close_to_one_rank(checkpoint_factory):
     for want, have in zip(expected, got, strict=True):
         torch.testing.assert_close(torch.tensor([t.logprob for t in have.prompt_logprobs[1:]]),
                                    torch.tensor([t.logprob for t in want.prompt_logprobs[1:]]), rtol=5e-3, atol=1e-3)
+
+
+def test_beam_search_equals_one_rank_with_pages_copied_on_every_rank(pair):
+    """Beams share the prompt's partial page; its copy on write must happen in every rank's heads."""
+    one, two = pair
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    copies = []
+    two.engine.on_step = lambda batch, sampled, num_tokens: copies.extend(batch.copies)
+    try:
+        got = two.beam_search(PROMPTS[:3], params)
+    finally:
+        two.engine.on_step = None
+    expected = one.beam_search(PROMPTS[:3], params)
+    assert copies
+    assert [[s.token_ids for s in o.sequences] for o in got] == [[s.token_ids for s in o.sequences] for o in expected]
+    assert two.kv_cache_info["blocks_in_use"] == 0
