@@ -272,3 +272,21 @@ def test_compiled_mode_verifies_eagerly_and_equals_transformers(tiny_checkpoint)
         assert_spec_free(llm)
     for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outs, strict=True):
         assert out.token_ids == hf_greedy(ref, prompt, m)
+
+
+def test_server_with_speculation_equals_plain_and_reports_acceptance(tiny_checkpoint):
+    httpx = pytest.importorskip("httpx")
+    from test_server import MODEL, run_server
+
+    from minigpt.server.app import build_app
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with (AsyncLLM(str(tiny_checkpoint), speculative_config=ngram(adaptive=False)) as llm,
+          run_server(build_app(llm, MODEL)) as url):
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert llm.engine.kv_cache_info()["blocks_in_use"] == 0
+    with LLM(str(tiny_checkpoint)) as plain:
+        assert got == plain.generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+    accepted = [line for line in metrics.splitlines() if line.startswith("minigpt_spec_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
