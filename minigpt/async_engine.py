@@ -169,7 +169,8 @@ class AsyncLLM:
         except Exception:  # the step failed its own requests; the others go on
             logger.exception("engine step failed")
             return list(self._active.values())
-        return [self._active[request_id] for request_id in dict.fromkeys(seq.request_id for seq in sampled)]
+        ids = dict.fromkeys(seq.request_id for seq in sampled)
+        return [self._active[request_id] for request_id in ids if request_id in self._active]  # not yet delivered
 
     def _deliver(self, handles: list[RequestHandle]) -> None:
         """Update the metrics, then hand out deltas: a caller who sees its request done sees it counted."""

@@ -201,6 +201,8 @@ class Engine:
             if not seq.finished:
                 seq.fail(f"{type(err).__name__}: {err}")
             self._finish(seq)
+        for request_id in {seq.request_id for seq, _ in batch.chunks} & self.beam_groups.keys():
+            self.abort(self.beam_groups[request_id])  # its beams that were not in this step
 
     def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         """Account the computed tokens, record prompt logprobs, sample and append; returns the sequences that

@@ -110,10 +110,12 @@ class CompletionRequest(BaseModel):
             prompt = [prompt]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        choices = len(prompt) * (self.n or 1)
+        per_prompt = max(self.n or 1, self.best_of or 1) if self.use_beam_search else self.n or 1  # beams that run
+        choices = len(prompt) * per_prompt
         if choices > MAX_CHOICES:
-            raise invalid(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), got {choices}",
-                          "n" if (self.n or 1) > 1 else "prompt")
+            what = "prompts x beam width" if self.use_beam_search else "prompts x n"
+            raise invalid(f"a request may ask for at most {MAX_CHOICES} completions ({what}), got {choices}",
+                          "prompt" if per_prompt == 1 else "best_of" if self.use_beam_search and self.best_of else "n")
         return prompt
 
     def sampling_params(self) -> SamplingParams:
@@ -190,8 +192,8 @@ class CompletionRequest(BaseModel):
         are refused, and so is streaming."""
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.stream:
-            raise invalid("stream=true is not supported with use_beam_search", "stream")
+        if self.stream or self.stream_options is not None:
+            raise invalid("streaming is not supported with use_beam_search", "stream" if self.stream else "stream_options")
         sampling_only = ("top_p", "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "top_k",
                          "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
                          "allowed_token_ids", "structured_outputs")

@@ -76,9 +76,11 @@ class DraftModel:
                 break
             inputs = self.runner.prepare(chunks)
             tokens = argmax(self.runner.run(inputs)[:, : self.vocab_limit].float()).tolist()
-            for (mirror, chunk), token in zip(chunks, tokens, strict=True):
+            # rows come in the runner's order (catching-up chunks before single-token decodes), not chunks'
+            token_of = {id(mirror): token for mirror, token in zip(inputs.sample_seqs, tokens, strict=True)}
+            for mirror, chunk in chunks:
                 mirror.num_computed_tokens += chunk
-                mirror.token_ids.append(token)
+                mirror.token_ids.append(token_of[id(mirror)])
             for i in active:
                 if mirrors[i] is not None:
                     drafts[i].append(mirrors[i].token_ids[-1])
