@@ -146,12 +146,14 @@ class Engine:
         for seq in request.seqs:
             self.scheduler.add(seq)
 
-    def abort(self, request: Request | BeamGroup) -> None:
-        """Stop a request now and return its pages."""
+    def abort(self, request: Request | BeamGroup, error: str | None = None) -> None:
+        """Stop a request now and return its pages; with `error`, it fails with that message."""
         self.beam_groups.pop(request.request_id, None)
         for seq in request.seqs:
-            if not seq.finished:
+            if not seq.finished and error is None:
                 seq.abort()
+            elif not seq.finished:
+                seq.fail(error)
             self._finish(seq)
 
     def has_work(self) -> bool:
@@ -197,12 +199,13 @@ class Engine:
         return updated
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
+        error = f"{type(err).__name__}: {err}"
         for seq, _ in batch.chunks:
             if not seq.finished:
-                seq.fail(f"{type(err).__name__}: {err}")
+                seq.fail(error)
             self._finish(seq)
         for request_id in {seq.request_id for seq, _ in batch.chunks} & self.beam_groups.keys():
-            self.abort(self.beam_groups[request_id])  # its beams that were not in this step
+            self.abort(self.beam_groups[request_id], error)  # its beams that were not in this step
 
     def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
         """Account the computed tokens, record prompt logprobs, sample and append; returns the sequences that

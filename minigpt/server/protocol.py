@@ -193,7 +193,8 @@ class CompletionRequest(BaseModel):
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
         if self.stream or self.stream_options is not None:
-            raise invalid("streaming is not supported with use_beam_search", "stream" if self.stream else "stream_options")
+            raise invalid("streaming is not supported with use_beam_search",
+                          "stream" if self.stream else "stream_options")
         sampling_only = ("top_p", "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "top_k",
                          "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
                          "allowed_token_ids", "structured_outputs")
