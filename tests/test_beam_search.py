@@ -258,9 +258,45 @@ def test_server_returns_the_n_best_of_best_of_beams(server, llm):
     ({"stream": True}, "stream"), ({"n": 3, "best_of": 2}, "best_of"), ({"temperature": 0.7}, "temperature"),
     ({"logprobs": 1}, "logprobs"), ({"early_stopping": "always"}, "early_stopping"),
     ({"max_tokens": 0}, "max_tokens"), ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [[1, 2]] * 100, "best_of": 64}, "best_of"),  # 6,400 beams: past the 2,048 a request may run
 ])
 def test_server_refuses_what_beam_search_cannot_do(server, body, param):
     client, _ = server
     reply = client.post("/v1/completions", json={"prompt": [1, 2], "use_beam_search": True, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("beam_left_out", ["idle", "unscheduled"])
+def test_a_failed_step_fails_the_whole_beam_search_and_the_engine_goes_on(tiny_checkpoint, beam_left_out):
+    """A step that raises fails its sequences; the beams it did not hold (idle, waiting for their siblings, or
+    left out by the token budget) fail with them: every page back, the engine serving the next request."""
+    from minigpt import AsyncLLM
+
+    with AsyncLLM(str(tiny_checkpoint), kv_cache_tokens=1024, block_size=16, max_num_batched_tokens=2) as llm:
+        engine, run = llm.engine, llm.engine.runner.run
+        failed = []
+
+        def flaky(inputs):
+            stepping = set(map(id, inputs.sample_seqs))
+            beams = [s for s in engine.scheduler.running if s.request_id in engine.beam_groups]
+            if beam_left_out == "idle":
+                left_out = [s for s in beams if not s.num_uncomputed_tokens]
+            else:
+                left_out = [s for s in beams if s.num_uncomputed_tokens and id(s) not in stepping]
+            if not failed and left_out and inputs.sample_seqs:
+                failed.append(True)
+                raise RuntimeError("injected failure")
+            return run(inputs)
+
+        engine.runner.run = flaky
+        handle = llm.submit_beam_search("Hello world, this is", BeamSearchParams(beam_width=3, max_tokens=8))
+        out = handle.result(timeout=120)
+        assert failed and [c.finish_reason for c in out.outputs] == ["error"]
+        assert "injected failure" in handle.error
+        engine.runner.run = run
+        after = llm.submit("Hello", SamplingParams(max_tokens=4, temperature=0)).result(timeout=120)
+        assert after.outputs[0].finish_reason == "length"
+        assert not engine.beam_groups and not engine.has_work()
+        assert engine.kv_cache_info()["blocks_in_use"] == 0

@@ -290,3 +290,24 @@ def test_server_with_speculation_equals_plain_and_reports_acceptance(tiny_checkp
         assert got == plain.generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))[0].text
     accepted = [line for line in metrics.splitlines() if line.startswith("minigpt_spec_accepted_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_draft_tokens_go_to_their_own_sequences(tiny_checkpoint):
+    """One mirror with a single token to compute (its draft was rejected) and one catching up on a whole
+    prompt draft in the same forward, whose rows the runner lays out catch-ups first: each sequence gets
+    the draft model's greedy token for its own context."""
+    ref = hf_model(tiny_checkpoint)
+
+    def greedy_next(ids: list[int]) -> int:
+        with torch.no_grad():
+            return int(ref(torch.tensor([ids])).logits[0, -1].argmax())
+
+    with LLM(str(tiny_checkpoint), speculative_config=draft(tiny_checkpoint, k=1, adaptive=False)) as llm:
+        engine = llm.engine
+        proposer = engine.speculator.draft_model
+        a, b = (engine.make_request(p, SamplingParams(max_tokens=8)).seqs[0] for p in (PROMPTS[2], PROMPTS[3]))
+        (first,) = proposer.propose([a], [1])
+        a.token_ids.append((first[0] + 1) % 50)  # the target kept another token: a's mirror has one to compute
+        assert proposer.propose([a, b], [1, 1]) == [[greedy_next(a.token_ids)], [greedy_next(b.token_ids)]]
+        proposer.release(a)
+        proposer.release(b)
