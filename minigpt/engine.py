@@ -123,7 +123,7 @@ class Engine:
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
-            grammar = compiler.matcher(params.structured_outputs) if compiler is not None else None
+            grammar = compiler.matcher(params.structured_outputs, params.max_tokens) if compiler is not None else None
             request.seqs.append(
                 Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, limit, grammar)
             )
@@ -260,7 +260,8 @@ class Engine:
         rows = [i for i, seq in enumerate(sampled) if seq.grammar is not None]
         if not rows:
             return None
-        return GrammarMask(rows, fill_bitmask([sampled[i].grammar for i in rows]))
+        left = [sampled[i].max_len - len(sampled[i].token_ids) for i in rows]
+        return GrammarMask(rows, fill_bitmask([sampled[i].grammar for i in rows], left))
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return to_device(rows, torch.int64, self.runner.device)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from minigpt.sampling.bitmask import bitmask_words
+from minigpt.sampling.bitmask import bitmask_of, bitmask_words
 from minigpt.sampling.structured import StructuredOutputsParams
 from minigpt.tokenizer import Tokenizer
 
@@ -23,6 +23,18 @@ from minigpt.tokenizer import Tokenizer
 # schema's own "x-guidance" options.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MISSING_EXTRA = "structured outputs need llguidance: pip install minigpt[structured]"
+# In the last quarter of its max_tokens (at least this many tokens), a JSON output takes a closing token
+# where its grammar allows one: on weak or random weights a string or a number would otherwise run until
+# max_tokens and leave JSON that does not parse. The tiers, first allowed one wins: a quote that ends a
+# string (with brackets after it); brackets that end arrays and objects; a comma that ends a number
+# before a required member.
+MIN_CLOSING_TOKENS = 16
+CLOSING_TOKENS_PER_MEMBER = 6  # a schema's member takes up to ~6 tokens to write (`,"`, its name, `":`, a value)
+CLOSING_TIERS = (
+    lambda text: text[:1] == b'"' and set(text) <= set(b'"]}'),
+    lambda text: set(text) <= set(b"]}"),
+    lambda text: set(text) == {ord(",")},
+)
 
 
 def _llguidance() -> Any:
@@ -53,8 +65,13 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._llg = _llguidance()
-        self.tokenizer = self._llg.LLTokenizer(self._llg.TokenizerWrapper(_TokenizerView(tokenizer)))
+        view = _TokenizerView(tokenizer)
+        self.tokenizer = self._llg.LLTokenizer(self._llg.TokenizerWrapper(view))
         self.words = bitmask_words(tokenizer.n_vocab)
+        self.closing = torch.stack([  # [tiers, words]
+            bitmask_of([i for i, text in enumerate(view.tokens) if text and tier(text)], self.words)
+            for tier in CLOSING_TIERS
+        ])
         self._grammars: dict[str, str] = {}
         self._lock = threading.Lock()  # requests are made in any thread
         self._executor = self._llg.LLExecutor(max(1, torch.get_num_threads()))
@@ -87,22 +104,37 @@ class GrammarCompiler:
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
         return m.grammar_from_lark(params.grammar)
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self, self._llg.LLMatcher(self.tokenizer, self.compile(params), log_level=0))
+    def matcher(self, params: StructuredOutputsParams, max_tokens: int) -> GrammarState:
+        closing_window = 0
+        if params.json is not None or params.json_object:
+            members = CLOSING_TOKENS_PER_MEMBER * _num_members(params.json)
+            closing_window = max(MIN_CLOSING_TOKENS, max_tokens // 4, members)
+        matcher = self._llg.LLMatcher(self.tokenizer, self.compile(params), log_level=0)
+        return GrammarState(self, matcher, closing_window)
 
-    def fill(self, states: Sequence[GrammarState]) -> torch.Tensor:
-        """int32 bitmask [len(states), words]: the tokens each state allows next, filled in parallel."""
+    def fill(self, states: Sequence[GrammarState], tokens_left: Sequence[int]) -> torch.Tensor:
+        """int32 bitmask [len(states), words]: the tokens each state allows next, filled in parallel; a JSON
+        state with `tokens_left` in its closing window allows only its first closing tier that it allows."""
         bitmask = torch.empty(len(states), self.words, dtype=torch.int32)
         self._llg.torch.fill_next_token_bitmask_par(
             self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+        rows = torch.tensor([i for i, (s, left) in enumerate(zip(states, tokens_left, strict=True))
+                             if left <= s.closing_window], dtype=torch.int64)
+        if len(rows):
+            closed = bitmask[rows][None] & self.closing[:, None]  # [tiers, rows, words]
+            usable = closed.ne(0).any(dim=2)  # [tiers, rows]
+            keep = usable.any(dim=0).nonzero().squeeze(1)
+            tier = usable.int().argmax(dim=0)  # the first usable tier of each row
+            bitmask[rows[keep]] = closed[tier[keep], keep]
         return bitmask
 
 
 class GrammarState:
     """One sequence's place in its grammar."""
 
-    def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
+    def __init__(self, compiler: GrammarCompiler, matcher: Any, closing_window: int = 0) -> None:
         self.compiler, self.matcher = compiler, matcher
+        self.closing_window = closing_window  # tokens left from which a JSON output prefers to close
 
     def advance(self, token_id: int) -> bool:
         """Consume a sampled token; False if the grammar does not allow it (the state is then an error)."""
@@ -118,12 +150,23 @@ class GrammarState:
         return self.matcher.get_error()
 
 
+def _num_members(schema: Any) -> int:
+    """How many property names a JSON schema names, at every depth."""
+    if isinstance(schema, dict):
+        own = len(schema["properties"]) if isinstance(schema.get("properties"), dict) else 0
+        return own + sum(_num_members(value) for value in schema.values())
+    if isinstance(schema, list):
+        return sum(_num_members(value) for value in schema)
+    return 0
+
+
 @functools.lru_cache(maxsize=4)
 def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
     """One compiler per tokenizer (building llguidance's takes ~1 s); a Tokenizer is never modified."""
     return GrammarCompiler(tokenizer)
 
 
-def fill_bitmask(states: Sequence[GrammarState]) -> torch.Tensor:
-    """int32 bitmask [len(states), words] of the tokens each state allows next (states of one tokenizer)."""
-    return states[0].compiler.fill(states)
+def fill_bitmask(states: Sequence[GrammarState], tokens_left: Sequence[int]) -> torch.Tensor:
+    """int32 bitmask [len(states), words] of the tokens each state allows next (states of one tokenizer),
+    given each one's tokens left before max_tokens."""
+    return states[0].compiler.fill(states, tokens_left)

@@ -19,6 +19,15 @@ def bitmask_words(vocab: int) -> int:
     return -(-vocab // 32)
 
 
+def bitmask_of(token_ids: list[int], words: int) -> Tensor:
+    """int32 [words] with the bits of `token_ids` set."""
+    bits = torch.zeros(words * 32, dtype=torch.uint8)
+    bits[token_ids] = 1
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    words_u32 = (bits.view(words, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(words_u32 >= 1 << 31, words_u32 - (1 << 32), words_u32).to(torch.int32)
+
+
 def _unpacked(table: Tensor, bitmask: Tensor, vocab: int) -> Tensor:
     """table's row of each byte of bitmask [rows, words], as [rows, vocab] (a view past the last token)."""
     values = table.index_select(0, bitmask.contiguous().view(torch.uint8).view(-1).int())
