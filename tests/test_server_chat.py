@@ -239,16 +239,15 @@ def test_template_variables_do_not_replace_the_request_fields(served, reference)
 def test_openapi_schema_describes_the_chat_fields(served):
     import httpx
 
-    from minigpt.server.chat import SHARED_FIELDS
-    from minigpt.server.protocol import CompletionRequest
+    from minigpt.server.protocol import CompletionRequest, SamplingFields
 
     schema = httpx.get(f"{served.url}/openapi.json").json()
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/ChatCompletionRequest")
     fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs"} | set(SHARED_FIELDS) <= set(
-        fields)
-    assert set(SHARED_FIELDS) <= set(CompletionRequest.model_fields)  # each passed on under its own name
+    shared = set(SamplingFields.model_fields)
+    assert {"messages", "max_completion_tokens", "max_tokens", "logprobs", "top_logprobs"} | shared <= set(fields)
+    assert shared <= set(CompletionRequest.model_fields)  # each passed on under its own name
 
 
 def test_tokenize_renders_the_chat_form(served, reference):

@@ -19,14 +19,7 @@ from minigpt.sampling import TokenLogprobs
 from minigpt.server import protocol
 from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import APIError, check_model, invalid
-from minigpt.server.protocol import (
-    Bias,
-    CompletionRequest,
-    ResponseFormat,
-    StreamOptions,
-    StructuredOutputs,
-    TokenIdKey,
-)
+from minigpt.server.protocol import CompletionRequest, SamplingFields
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.tokenizer import Tokenizer
 
@@ -35,10 +28,6 @@ if TYPE_CHECKING:
 
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template FILE (a Jinja template, "
                "as transformers' apply_chat_template takes), or use /v1/completions")
-# The fields a chat request passes on to the completions mapping unchanged
-SHARED_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "stream",
-                 "stream_options", "logit_bias", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-                 "stop_token_ids", "min_tokens", "allowed_token_ids", "structured_outputs", "response_format")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
@@ -66,39 +55,15 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completions body with vLLM's extensions; null means the default."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatCompletionRequest(SamplingFields):
+    """OpenAI's chat completions body with vLLM's extensions."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: int | None = Field(None, description="default: the rest of the context")
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[TokenIdKey, Bias] | None = Field(
-        None, description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")
-    user: str | None = None
-    # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
-    allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
-    structured_outputs: StructuredOutputs | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
 
@@ -109,10 +74,22 @@ class ChatCompletionRequest(BaseModel):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        fields = {name: getattr(self, name) for name in SHARED_FIELDS}
+        fields = {name: getattr(self, name) for name in SamplingFields.model_fields}  # passed on unchanged
         return CompletionRequest.model_construct(
             prompt=prompt, max_tokens=max(context_left, 1) if max_tokens is None else max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None, **fields)
+
+
+def render_messages(template: ChatTemplate | None, messages: list[ChatMessage], add_generation_prompt: bool,
+                    chat_template_kwargs: dict[str, Any] | None) -> str:
+    """The prompt text `template` makes of `messages`; a 400 naming `messages` without a template or when
+    rendering fails."""
+    if template is None:
+        raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
+    try:
+        return template.render([m.for_template() for m in messages], add_generation_prompt, chat_template_kwargs)
+    except ChatTemplateError as err:
+        raise invalid(str(err), "messages") from None
 
 
 class ChatServer:
@@ -125,13 +102,7 @@ class ChatServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response | dict:
         server = self.completions
         check_model(body.model, server.model_name)
-        if self.template is None:
-            raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
-        try:
-            text = self.template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                        body.chat_template_kwargs)
-        except ChatTemplateError as err:
-            raise invalid(str(err), "messages") from None
+        text = render_messages(self.template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         tokenizer = server.llm.tokenizer
         prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
         if not prompt:

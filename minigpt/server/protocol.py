@@ -65,27 +65,21 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completions body; null means the default, as OpenAI clients sometimes send it."""
+class SamplingFields(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions take alike, with vLLM's extensions; null means
+    the default, as OpenAI clients sometimes send it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    best_of: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: int | None = None
-    echo: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    suffix: str | None = None
     logit_bias: dict[TokenIdKey, Bias] | None = Field(
         None, description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")
     user: str | None = None
@@ -99,6 +93,18 @@ class CompletionRequest(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's completions body."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
     use_beam_search: bool | None = Field(None, description="beam search with best_of (else n) beams; n returned")
     length_penalty: float | None = Field(None, description="beam search ranks by logprob / length ** this")
     early_stopping: bool | Literal["never"] | None = None

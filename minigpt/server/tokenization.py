@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minigpt.server.chat import NO_TEMPLATE, ChatMessage
-from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
+from minigpt.server.chat import ChatMessage, render_messages
+from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import check_model, invalid
 from minigpt.tokenizer import Tokenizer
 
@@ -64,13 +64,7 @@ class Tokenization:
         check_model(body.model, self.model_name)
         text, add_special_tokens = body.prompt, body.add_special_tokens
         if body.messages is not None:
-            if self.template is None:
-                raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
-            try:
-                text = self.template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                            body.chat_template_kwargs)
-            except ChatTemplateError as err:
-                raise invalid(str(err), "messages") from None
+            text = render_messages(self.template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         if add_special_tokens is None:
             add_special_tokens = body.messages is None
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
