@@ -1,46 +1,37 @@
-"""The compiled steps of `compile=True`: the model's one layer loop run through torch.compile.
+"""The compiled steps of `compile=True`: the model's one layer loop, exported and compiled ahead of time
+by AOTInductor, built once per model shape and mode and loaded from disk on later starts
+(`compile_cache`). Every program takes the model's tensors as inputs: none holds a copy of them.
 
-Compiled as one graph, inductor fuses the elementwise work (layernorms, activation quantization,
-GELU, residuals) and its attention loops read K/V straight from the pages. Two pure functions run
-`GPT2.run` with an attention that reads the pool and never writes it, and return the step's new K/V,
-which `CompiledSteps` stores after the call (a graph that wrote into its input pool would make
-inductor copy the whole pool back on every call):
-- `decode_step`: one token per sequence, batch 1 and batch >= 2 (torch specializes size 1);
-- `prefill_step`: a lone request's whole prompt, nothing cached (its time to first token).
-Every other step (batched prompts, prompts beside decodes) runs the same loop eagerly, around a
-compiled version of each block's two halves and of the decodes' attention.
+- `decode_step`: one token per sequence, any batch: the model's layer loop with an attention that
+  reads the pool and never writes it, returning the step's new K/V, which `CompiledSteps` stores
+  after the call (a program that wrote into its input pool would copy the whole pool on every call).
+- Every other step (prompts, prompts beside decodes, verification of drafts) runs the same loop
+  eagerly, around one program for each block's half before and after attention, shared by every
+  layer (the layer's tensors are its inputs), and one for the decodes' attention.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
+import functools
 import itertools
 import logging
-import time
-import warnings
-import weakref
+from collections.abc import Callable
 
 import torch
+from torch.export import Dim
 
-from minigpt.attention import PoolAttention, PromptAttention, paged_decode
+from minigpt.attention import PoolAttention, paged_decode
 from minigpt.attention_backends import store_kv
+from minigpt.compile_cache import ProgramCache, ProgramSpec, build_environment
 from minigpt.kv_cache import KVPool
-from minigpt.model import GPT2, attention_inputs, attention_outputs
-from minigpt.progress import announce
-from minigpt.torch_compat import CompiledCode, guard_options, mark_dynamic, missing_internals, private_copy
+from minigpt.model import GPT2, Block, attention_inputs, attention_outputs
+from minigpt.torch_compat import missing_internals
 
 logger = logging.getLogger("minigpt")
 
-# The sizes the steps are first compiled for: inductor picks which loops run on several threads from
-# them, so they are typical of a busy step rather than the smallest.
-WARMUP_BATCH, WARMUP_PAGES, WARMUP_PROMPT = 32, 8, 16
-# The longest prompt `prefill_step` takes: its attention holds [H, T, T] scores, and past this a lone
-# prompt's first token comes sooner from the eager step's flash attention.
-PREFILL_MAX_TOKENS = 128
-# inductor's generated code checks every input's size and strides on every call, nearly all of them
-# weights: dynamo's guards already check the step's own tensors.
-CODEGEN_OPTIONS = {"size_asserts": False}
+# Sizes of the examples the programs are exported with: every one is dynamic, so only their being
+# unlike each other (and not 0 or 1, which export specializes) matters.
+EXAMPLE_BATCH, EXAMPLE_PAGES, EXAMPLE_TOKENS, EXAMPLE_BLOCKS = 5, 7, 11, 3
 
 
 def decode_step(
@@ -61,53 +52,70 @@ def decode_step(
     return logits, new_kv.to(kv_pool.dtype)  # cast here, fused: not a pass of its own
 
 
-def prefill_step(
-    model: GPT2, input_ids: torch.Tensor, positions: torch.Tensor, kv_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole prompt of one sequence, nothing cached -> (logits of its last token [1, vocab], its K/V
-    [n_layer, 2, T, H, D] in the pool's `kv_dtype`); reads no pool."""
-    attention = PromptAttention(model.attention_scales(), model.config.reorder_and_upcast_attn)
-    logits, new_kv = model.run(input_ids, positions, attention, logits_rows=slice(-1, None), return_kv=True)
-    return logits, new_kv.to(kv_dtype)
-
-
 def attention_scales(model: GPT2) -> torch.Tensor:
     """Each layer's attention scale as `decode_step` takes them: [n_layer] fp32 on the model's device."""
     return torch.tensor(model.attention_scales(), device=model.wte.weight.device)
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of the bytes of every parameter and buffer of `model`: the disk-cache key tag of its
-    frozen graphs, which hold packed copies of the weights (pytorch#143563) yet are keyed by shapes."""
-    digest = hashlib.sha256()
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        tensor = tensor.detach().cpu()
-        tensor = (tensor.to_dense() if tensor.is_mkldnn else tensor).contiguous()  # PackedLinear's weights
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
-        digest.update((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
-    return digest.hexdigest()
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `module` by name (a tied one once)."""
+    return list(itertools.chain(module.named_parameters(), module.named_buffers()))
 
 
-def dynamic_decode_sizes(block_tables: torch.Tensor, *per_sequence: torch.Tensor) -> torch.Tensor:
-    """A decode graph's inputs readied so that one graph serves every batch >= 2 and every width: the
-    block tables padded to at least 2 pages, their width marked dynamic, and the batch too (on them and
-    `per_sequence`) unless it is 1: torch specializes a size of 1, so those would be graphs of their own."""
-    if block_tables.shape[1] < 2:
-        block_tables = torch.cat([block_tables, torch.zeros_like(block_tables)], dim=1)
-    if block_tables.shape[0] > 1:
-        mark_dynamic(block_tables, *per_sequence, dim=0)
-    mark_dynamic(block_tables, dim=1)
-    return block_tables
+def tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """What a `TensorsAsInputs` program of `module`'s shape takes first."""
+    return tuple(tensor for _, tensor in named_tensors(module))
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn: Callable, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, *inputs):
+        return self.fn(self.module, *inputs)
+
+
+class TensorsAsInputs(torch.nn.Module):
+    """`fn(module, *inputs)` as a module to export with `module`'s tensors (`tensors_of`) as its first
+    input, not as constants: the program holds no weights, and one program serves every module of the
+    same shape (every layer of a model)."""
+
+    def __init__(self, fn: Callable, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.__dict__["call"] = _Call(fn, module)  # not a submodule: its tensors are no constants
+        self.names = [name for name, _ in named_tensors(self.call)]
+
+    def forward(self, tensors: tuple[torch.Tensor, ...], *inputs):
+        return torch.func.functional_call(self.call, dict(zip(self.names, tensors, strict=True)), inputs)
+
+
+class PagedDecodeProgram(torch.nn.Module):
+    """`attention.paged_decode` as a module to export."""
+
+    def forward(self, query, pages, block_tables, context_lens, first_pages, scale):
+        return paged_decode(query, pages, block_tables, context_lens, first_pages, scale)
+
+
+class LayerHalf:
+    """A block's half as a loaded program, called as the eager halves are: `half(block, *inputs)`."""
+
+    def __init__(self, program: Callable, blocks: torch.nn.ModuleList) -> None:
+        self.program = program
+        self.tensors = {id(block): tensors_of(block) for block in blocks}
+
+    def __call__(self, block: Block, *inputs: torch.Tensor):
+        return self.program(self.tensors[id(block)], *inputs)
 
 
 class CompiledDecodeBackend:
-    """The torch backend's decode attention as a compiled graph (`attention.paged_decode`) reading the
+    """The torch backend's decode attention as a compiled program (`attention.paged_decode`) reading the
     pages in place instead of copying them, for the eager steps of a compiled engine."""
 
     name = "torch"
     store_kv = staticmethod(store_kv)
 
-    def __init__(self, pool: KVPool, attend) -> None:
+    def __init__(self, pool: KVPool, attend: Callable) -> None:
         """`attend`: `paged_decode`, compiled."""
         self.pool, self._attend = pool, attend
         self._first_pages: dict[tuple[int, int], torch.Tensor] = {}
@@ -126,13 +134,12 @@ class CompiledDecodeBackend:
         kv = self.pool.kv
         pages = kv.view(-1, *kv.shape[3:])
         page = k_cache[0].numel()
-        # where this layer's pages start, and its scale, as tensors: every layer runs the same graph
+        # where this layer's pages start, and its scale, as tensors: every layer runs the same program
         key = (k_cache.storage_offset() // page, v_cache.storage_offset() // page)
         if key not in self._first_pages:
             self._first_pages[key] = torch.tensor(key, device=kv.device)
         if scale not in self._scales:
             self._scales[scale] = torch.tensor(scale, device=kv.device)
-        block_tables = dynamic_decode_sizes(block_tables, query, context_lens)
         return self._attend(query, pages, block_tables, context_lens, self._first_pages[key], self._scales[scale])
 
     def close(self) -> None:
@@ -140,105 +147,86 @@ class CompiledDecodeBackend:
 
 
 class CompiledSteps:
-    """`decode_step`, `prefill_step`, a block's halves and the decodes' attention, compiled for one model
-    and pool. Each engine compiles private copies, called only with its own model, so dynamo's guards on
-    the model are skipped, and drops their graphs when it goes (a frozen graph holds its weights)."""
+    """The compiled programs of one model and pool: `decode_step`, a block's halves and the decodes'
+    attention, loaded from `cache` (built there first if missing)."""
 
-    def __init__(self, model: GPT2, pool: KVPool, options: dict[str, object] | None = None) -> None:
-        """`options`: inductor config for the step graphs (see `quantize.compile_options`)."""
+    def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache) -> None:
         missing = missing_internals()
         if missing:
             raise RuntimeError(f"compile=True needs torch internals this torch {torch.__version__} lacks: "
                                f"{', '.join(missing)}")
         self.model, self.pool = model, pool  # the pool, not its tensor: the runner's close() frees that
-        options = {**CODEGEN_OPTIONS, **(options or {})}
-        freezing = bool(options.get("freezing", False))
-        step, prefill = private_copy(decode_step), private_copy(prefill_step)
-        before, after, attend = (private_copy(fn) for fn in (attention_inputs, attention_outputs, paged_decode))
-        self.code = CompiledCode([step, prefill, before, after, attend], freezing,
-                                 weights_fingerprint(model) if freezing else "")
-        weakref.finalize(self, self.code.drop)
-        self._step = torch.compile(step, options={**guard_options(), **options})
-        self._prefill = torch.compile(prefill, options={**guard_options(), **options})
         self._scales = attention_scales(model)
-        # never frozen: one layer's weights would be constants of the graph every layer runs
-        self.halves = tuple(
-            torch.compile(fn, dynamic=True, options={**guard_options(), **CODEGEN_OPTIONS}) for fn in (before, after)
-        )
-        self.decode_backend = CompiledDecodeBackend(pool, torch.compile(attend, options=dict(CODEGEN_OPTIONS)))
+        self.cache_entry = cache.entry(self.description())
+        try:
+            programs = cache.load(self.description(), self._specs)
+        except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise RuntimeError(
+                "compile=True could not compile the steps; run without it, or install what "
+                f"torch.compile needs (a C++ compiler on the CPU): {detail}"
+            ) from err
+        self._decode = functools.partial(programs["decode"], tensors_of(model))
+        self.halves = (LayerHalf(programs["before"], model.h), LayerHalf(programs["after"], model.h))
+        self.decode_backend = CompiledDecodeBackend(pool, programs["attend"])
+
+    def description(self) -> dict:
+        """What the programs depend on: the build environment, the model's shape and mode, the pool's
+        layout. Not the weights: they are inputs of every program."""
+        model, kv = self.model, self.pool.kv
+        return {
+            **build_environment(kv.device),
+            "config": sorted(vars(model.config).items()),
+            "dtype": str(model.dtype),
+            "modules": sorted({type(module).__qualname__ for module in model.modules()}),
+            "linears": sorted({(name, getattr(module, name)) for module in model.modules()
+                               for name in ("fbgemm", "levels") if hasattr(module, name)}),
+            "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of pages
+        }
+
+    def _specs(self) -> list[ProgramSpec]:
+        """What to export, with example inputs of the pool's dtype and device."""
+        model, kv = self.model, self.pool.kv
+        device, config = kv.device, model.config
+        batch, pages, tokens = Dim("batch", min=1), Dim("pages", min=1), Dim("tokens", min=1)
+        blocks = Dim("blocks", min=1)
+        ids = torch.zeros(EXAMPLE_BATCH, dtype=torch.int64, device=device)
+        tables = torch.zeros(EXAMPLE_BATCH, EXAMPLE_PAGES, dtype=torch.int32, device=device)
+        lens = torch.full((EXAMPLE_BATCH,), 2, dtype=torch.int32, device=device)
+        x = torch.zeros(EXAMPLE_TOKENS, config.n_embd, device=device)
+        block = model.h[0]
+        with torch.inference_mode():
+            q = attention_inputs(block, x[:EXAMPLE_BATCH])[0]
+        pool = kv.new_zeros(*kv.shape[:2], EXAMPLE_BLOCKS, *kv.shape[3:])  # any number of pages: not this one
+        y = torch.zeros_like(x, dtype=q.dtype)  # the attention's output, in the query's dtype
+        model_tensors, block_tensors = tensors_of(model), tensors_of(block)
+        # every program's inputs after the tensors are its `*inputs`: one tuple to export
+        return [
+            ProgramSpec("decode", TensorsAsInputs(decode_step, model),
+                        (model_tensors, ids, ids + 1, pool, tables, lens, self._scales),
+                        ((None,) * len(model_tensors),
+                         ({0: batch}, {0: batch}, {2: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
+            ProgramSpec("before", TensorsAsInputs(attention_inputs, block), (block_tensors, x),
+                        ((None,) * len(block_tensors), ({0: tokens},))),
+            ProgramSpec("after", TensorsAsInputs(attention_outputs, block), (block_tensors, x, y),
+                        ((None,) * len(block_tensors), ({0: tokens}, {0: tokens}))),
+            ProgramSpec("attend", PagedDecodeProgram(),
+                        (q, pool.view(-1, *pool.shape[3:]), tables, lens, torch.tensor([0, 1], device=device),
+                         torch.tensor(1.0, device=device)),
+                        ({0: batch}, {0: blocks}, {0: batch, 1: pages}, {0: batch}, None, None)),
+        ]
 
     @staticmethod
     def covers(inputs) -> bool:
-        """A decode-only step, or one sequence's whole prompt of 2 to PREFILL_MAX_TOKENS tokens with
-        nothing cached that samples its last token only."""
-        meta = inputs.meta
-        if not meta.prefills:
-            return True
-        if len(meta.prefills) != 1 or meta.decode_block_tables is not None or inputs.prompt_logprob_rows:
-            return False
-        segment = meta.prefills[0]
-        whole = segment.context_len == segment.length
-        return whole and 2 <= segment.length <= PREFILL_MAX_TOKENS and len(inputs.sample_seqs) == 1
+        """A decode-only step."""
+        return not inputs.meta.prefills
 
     def __call__(self, inputs) -> torch.Tensor:
         """Logits of a step `covers` takes; the step's K/V land in the pool at its slots."""
         meta = inputs.meta
-        if meta.prefills:
-            logits, new_kv = self.prefill(inputs.input_ids, inputs.positions)
-        else:
-            logits, new_kv = self.decode(inputs.input_ids, inputs.positions, meta.decode_block_tables,
-                                         meta.decode_context_lens)
+        logits, new_kv = self._decode(inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
+                                      meta.decode_context_lens, self._scales)
         kv = self.pool.kv
         slots = kv.view(*kv.shape[:2], kv.shape[2] * kv.shape[3], *kv.shape[4:])  # pages as token slots
-        slots.index_copy_(2, meta.slot_mapping, new_kv)  # both steps return K/V in the pool's dtype
+        slots.index_copy_(2, meta.slot_mapping, new_kv)  # K/V come in the pool's dtype
         return logits
-
-    def decode(self, input_ids, positions, block_tables, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
-        block_tables = dynamic_decode_sizes(block_tables, input_ids, positions, context_lens)
-        with self.code.compiling():
-            return self._step(self.model, input_ids, positions, self.pool.kv, block_tables, context_lens, self._scales)
-
-    def prefill(self, input_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        mark_dynamic(input_ids, positions, dim=0)
-        with self.code.compiling():
-            return self._prefill(self.model, input_ids, positions, self.pool.kv.dtype)
-
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """Compile every graph now, so that no request waits for a compile."""
-        start = time.perf_counter()
-        announce(
-            logger,
-            "compiling the steps for batch 1, batch >= 2 and lone prompts "
-            "(two to four minutes the first time, the most with quantize='int8'; torch caches them on disk, "
-            "except w8a8's frozen graphs on CPUs with AVX-512 VNNI, compiled at every start)"
-        )
-        device = self.pool.kv.device
-        try:
-            with warnings.catch_warnings():
-                # inductor's autotuning (quantize="int8") calls a deprecated storage API: not the user's concern
-                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-                for batch in (WARMUP_BATCH, 1):
-                    tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-                    tables = torch.zeros(batch, WARMUP_PAGES, dtype=torch.int32, device=device)
-                    lens = torch.full((batch,), 2, dtype=torch.int32, device=device)
-                    self.decode(tokens, tokens + 1, tables, lens)
-                length = min(WARMUP_PROMPT, self.model.config.n_positions)
-                self.prefill(torch.zeros(length, dtype=torch.int64, device=device), torch.arange(length, device=device))
-                before, after = self.halves
-                block, kv = self.model.h[0], self.pool.kv[0]
-                for tokens in (length, 1):  # torch specializes a dimension of size 1: its own graph
-                    x = torch.zeros(tokens, self.model.config.n_embd, device=device)
-                    q, _, _ = before(block, x)
-                    # contiguous, as paged attention's output is: the graph is guarded on the strides
-                    after(block, x, torch.zeros_like(x, dtype=q.dtype))
-                    tables = torch.zeros(tokens, WARMUP_PAGES, dtype=torch.int32, device=device)
-                    lens = torch.full((tokens,), 2, dtype=torch.int32, device=device)
-                    self.decode_backend.decode(q, kv[0], kv[1], tables, lens, block.attn.scale)
-        except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise RuntimeError(
-                "compile=True could not compile the decode steps; run without it, or install what "
-                f"torch.compile needs (a C++ compiler on the CPU): {detail}"
-            ) from err
-        announce(logger, "compiled in %.0f s", time.perf_counter() - start)

@@ -9,16 +9,18 @@
   torch's `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX
   multiply bf16 natively: `native_bf16` checks the CPU's flags too.
 
-Both run as ops of our own, opaque to torch.compile: a packed weight is an opaque `torch._mkldnn`
-tensor inductor can only handle as a frozen constant, and the half product branches on the batch
-size at run time. `torch.library.Library` defines them (the `custom_op` decorator's wrapper costs
-more per call). Opaque also means a model with these linears cannot be deep-copied, saved or cast.
+Both run as ops of our own, opaque to the compiled steps: a packed weight is an opaque `torch._mkldnn`
+tensor `torch.export` cannot take, so the op takes a small handle tensor instead and finds the packed
+weight by the handle's address (as `fbgemm_int8` does); the half product branches on the batch size at
+run time. `torch.library.Library` defines them (the `custom_op` decorator's wrapper costs more per
+call). Opaque also means a model with these linears cannot be deep-copied, saved or cast.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+import weakref
 
 import torch
 import torch.nn as nn
@@ -28,10 +30,11 @@ from minigpt.model import replace_linears
 
 SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting (GPT-2, 4 rows: 60 vs 96 ms; 16: 247 vs 134)
 UPCAST_ROWS = 4096  # weight rows upcast at a time: 12 MB of fp32 for GPT-2's 768 inputs
+_PACKED: dict[int, torch.Tensor] = {}  # data_ptr of a PackedLinear's handle -> its weight in oneDNN's layout
 
 
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+def _packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle.data_ptr()], bias, "none", [], "")
 
 
 def _half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -48,27 +51,32 @@ def _half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`weight`: the weight, or a packed weight's handle: [out_features] either way."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 _LIBRARY = torch.library.Library("minigpt", "FRAGMENT")
 for _name, _kernel in (("packed_linear", _packed_linear), ("half_weight_linear", _half_weight_linear)):
     _LIBRARY.define(f"{_name}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")  # also for the packed weight's mkldnn layout
+    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"minigpt::{_name}", _linear_shape, lib=_LIBRARY)
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight lives only in oneDNN's packed layout."""
+    """A frozen nn.Linear whose weight lives only in oneDNN's packed layout, for as long as its
+    `handle` (one byte per output feature) lives."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+        handle = torch.empty(self.out_features, dtype=torch.uint8, device=linear.weight.device)
+        _PACKED[handle.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        weakref.finalize(handle, _PACKED.pop, handle.data_ptr(), None)
+        self.register_buffer("handle", handle, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.minigpt.packed_linear.default(x, self.packed_weight, self.bias)
+        return torch.ops.minigpt.packed_linear.default(x, self.handle, self.bias)
 
 
 class HalfWeightLinear(nn.Module):

@@ -298,7 +298,7 @@ class Engine:
             self.speculator.release(seq)
 
     def close(self) -> None:
-        """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""
+        """Free the KV pool and the compiled steps."""
         self.runner.close()
         if self.speculator is not None:
             self.speculator.close()

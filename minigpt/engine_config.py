@@ -44,7 +44,12 @@ class EngineConfig:
         None, "int8: weight-only int8 linears; w8a8: int8 weights and per-token int8 activations", choices=QUANTIZATIONS
     )
     num_threads: int | None = _setting(None, "torch CPU threads (default: torch's, one per core)", flag="--threads")
-    compile: bool = _setting(False, "torch.compile the decode steps: faster decoding, minutes of compiling at start")
+    compile: bool = _setting(
+        False, "compiled steps: faster decoding; compiled once per model shape and mode (minutes), then cached on disk"
+    )
+    compile_cache_dir: str | None = _setting(
+        None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
+    )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     speculative_config: dict | None = _setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

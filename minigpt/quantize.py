@@ -6,13 +6,11 @@
   scale, so the product runs as an int8 x int8 matrix multiply (VNNI on x86 CPUs). Per-row (per
   token) scales keep a request's result independent of what else is in the batch. Faster than
   weight-only on the CPU at every batch size measured, at some accuracy cost (see tests).
-  Compiled with freezing on a CPU with VNNI, the products run through inductor's own int8 GEMM
-  (`vnni_gemm`); eager, through `torch._int_mm`.
+  The products run through fbgemm on AVX2-only CPUs (`fbgemm_int8`), else through `torch._int_mm`,
+  eager and compiled alike.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn as nn
@@ -21,43 +19,6 @@ import torch.nn.functional as F
 from minigpt import fbgemm_int8
 from minigpt.engine_config import QUANTIZATIONS
 from minigpt.model import replace_linears
-
-try:  # defines torch.ops.quantized_decomposed, the ops of PyTorch's quantization patterns
-    from torch.ao.quantization.fx._decomposed import quantized_decomposed_lib  # noqa: F401
-except ImportError:  # a torch without them: w8a8 keeps torch._int_mm when compiled too
-    pass
-
-
-def _vnni_cpu(device: torch.device) -> bool:
-    """`device` is a CPU with AVX-512 VNNI whose w8a8 products are `torch._int_mm`'s (not fbgemm's),
-    and torch has the quantization ops of `_dequantized_product`. Cheap: no inductor import."""
-    vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)
-    return (
-        device.type == "cpu"
-        and vnni()
-        and not fbgemm_int8.available(device)
-        and hasattr(torch.ops.quantized_decomposed, "dequantize_per_channel")
-    )
-
-
-@functools.cache
-def _inductor_has_vnni_gemm() -> bool:
-    """inductor's C++ GEMM has its AVX-512 VNNI u8 x s8 kernel (recent torch). Without it, the
-    pattern becomes oneDNN's `qlinear_pointwise`, slower than `torch._int_mm` at batch 1 here."""
-    try:
-        import torch._inductor.compile_fx  # noqa: F401  (imports the codegen modules in a working order)
-        from torch._inductor.codegen import cpp_micro_gemm
-    except ImportError:  # a torch whose inductor is laid out otherwise: keep torch._int_mm
-        return False
-    return hasattr(cpp_micro_gemm, "CppMicroGemmAVX512VNNI")
-
-
-def vnni_gemm(device: torch.device) -> bool:
-    """Frozen compiled graphs of w8a8 run inductor's int8 GEMM on `device` (see "Where the time goes"
-    in the README): inductor turns the pattern of PyTorch's own int8 quantization
-    (`_dequantized_product`) into a C++ GEMM over the weight packed once, at compile time, for its
-    VNNI kernel; `torch._int_mm` hands oneDNN the plain weight on every call. Imports inductor."""
-    return _vnni_cpu(device) and _inductor_has_vnni_gemm()
 
 
 class Int8Linear(nn.Module):
@@ -101,14 +62,9 @@ class W8A8Linear(Int8Linear):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
         self.fbgemm = fbgemm_int8.available(self.weight.device)
-        self.vnni = _vnni_cpu(self.weight.device)
         self.levels = fbgemm_int8.ACTIVATION_LEVELS if self.fbgemm else 127
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
-        if self.vnni:  # constants of the frozen graphs, as inductor's int8 GEMM requires
-            unit_scales = torch.ones(self.out_features, dtype=torch.float32, device=self.weight.device)
-            self.register_buffer("unit_scales", unit_scales, persistent=False)
-            self.register_buffer("zero_points", torch.zeros_like(unit_scales, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -116,8 +72,6 @@ class W8A8Linear(Int8Linear):
         quantized = torch.round(flat / row_scales)
         if self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
-        elif self.vnni and torch.compiler.is_compiling() and _frozen_compile():
-            products = _dequantized_product(quantized, self.weight, self.unit_scales, self.zero_points)
         else:
             # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
             # torch's int8 matmul reads fastest (measured ~1.3-2x over a contiguous [in, out] copy).
@@ -126,42 +80,6 @@ class W8A8Linear(Int8Linear):
         if self.bias is not None:
             out.add_(self.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-
-def _frozen_compile() -> bool:
-    """The graph being traced is one inductor freezes (it does so only without autograd)."""
-    return torch._inductor.config.freezing and not torch.is_grad_enabled()
-
-
-def _dequantized_product(
-    quantized: torch.Tensor, weight: torch.Tensor, unit_scales: torch.Tensor, zero_points: torch.Tensor
-) -> torch.Tensor:
-    """quantized [M, in] (integers in [-127, 127], fp32) @ weight [out, in]^T (int8), written as the
-    pattern inductor's freezing pass replaces by its int8 GEMM (`vnni_gemm`); never run eagerly (it
-    would dequantize the whole weight). The activations go in shifted to unsigned bytes, as VNNI
-    multiplies unsigned by signed bytes; inductor subtracts the shift (128 x each weight row's sum).
-    Weight scales of 1 keep the products the integers `torch._int_mm` returns (exact in fp32 up to
-    2^24: here the shifted sums), scaled afterwards in the same order as eager."""
-    ops = torch.ops.quantized_decomposed
-    shifted = (quantized + 128).to(torch.uint8)
-    x = ops.dequantize_per_tensor.default(shifted, 1.0, 128, 0, 255, torch.uint8)
-    w = ops.dequantize_per_channel.default(weight, unit_scales, zero_points, 0, -128, 127, torch.int8)
-    return torch.mm(x, w.t())
-
-
-def compile_options(mode: str | None, device: torch.device) -> dict[str, object]:
-    """Inductor options for compiling a model quantized with `mode` (None: not quantized) on `device`.
-
-    Both int8 modes compile with freezing and max-autotune on the CPU where inductor has an int8
-    kernel for them: the weights become constants, so inductor can offer its own C++ kernels beside
-    torch's and keep the faster one per shape. Frozen w8a8 graphs hold oneDNN-packed weights that
-    torch's graph cache cannot store, so they compile at every start and hold more memory. The other
-    cases were not measured faster frozen, and compile plainly.
-    """
-    if device.type == "cpu" and (mode == "int8" or (mode == "w8a8" and vnni_gemm(device))):
-        quiet = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-        return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", **quiet}
-    return {}
 
 
 def _half_dtype(dtype: torch.dtype) -> torch.dtype:

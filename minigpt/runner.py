@@ -73,10 +73,10 @@ class ModelRunner:
         self.halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs)
         self.compiled = None
         if config.compile:
+            from minigpt.compile_cache import ProgramCache
             from minigpt.compiled import CompiledSteps
-            from minigpt.quantize import compile_options
 
-            self.compiled = CompiledSteps(self.model, self.pool, compile_options(config.quantize, self.device))
+            self.compiled = CompiledSteps(self.model, self.pool, ProgramCache(config.compile_cache_dir))
             self.halves = self.compiled.halves
             if self.backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
                 self.backend = self.compiled.decode_backend
@@ -84,8 +84,6 @@ class ModelRunner:
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
         )
-        if self.compiled is not None:
-            self.compiled.warmup()
 
     def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         config, bs = self.config, self.config.block_size
@@ -168,7 +166,7 @@ class ModelRunner:
         return to_device(values, torch.int64, self.device)
 
     def close(self) -> None:
-        """Free the KV pool and the compiled steps (a frozen graph holds its own copies of the weights)."""
+        """Free the KV pool and the compiled steps."""
         self.pool.kv = torch.empty(0)
         self.backend.close()
         self.compiled = None

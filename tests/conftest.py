@@ -105,6 +105,16 @@ def assert_all_free(llm) -> None:
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_dir(tmp_path_factory) -> Path:
+    """compile=True's cache of compiled steps, one for the session: the user's own is never touched,
+    and the steps of a shape and mode are compiled once for all tests."""
+    path = tmp_path_factory.mktemp("compile-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIGPT_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny"))

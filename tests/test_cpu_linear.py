@@ -49,26 +49,29 @@ def test_half_weight_linear_equals_linear(shape, bias, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", [PackedLinear, HalfWeightLinear])
-def test_cpu_linears_compile_as_one_call(kind):
+def test_cpu_linears_export_as_one_call(kind):
+    """The compiled steps are exported: each linear is one call of its op, over tensors export can take
+    (a packed weight's handle, not the opaque packed weight)."""
     torch.manual_seed(0)
     dtype = torch.float32 if kind is PackedLinear else torch.bfloat16
-    module = kind(torch.nn.Linear(64, 96).to(dtype))
     op = {PackedLinear: torch.ops.minigpt.packed_linear, HalfWeightLinear: torch.ops.minigpt.half_weight_linear}[kind]
 
-    def block(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(module(x.to(dtype)).float() * 2)
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = kind(torch.nn.Linear(64, 96).to(dtype))
 
-    targets = []
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(self.linear(x.to(dtype)).float() * 2)
 
-    def inspecting_backend(graph_module, example_inputs):
-        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
-        return graph_module.forward
-
-    x = torch.randn(SMALL_BATCH + 4, 64)
+    block, x = Block(), torch.randn(SMALL_BATCH + 4, 64)
+    batch = torch.export.Dim("batch", min=1)
     with torch.inference_mode():
-        torch.testing.assert_close(torch.compile(block, fullgraph=True)(x), block(x))
-        torch.compile(block, backend=inspecting_backend, fullgraph=True)(x)
-    assert targets.count(op.default) == 1
+        exported = torch.export.export(block, (x,), dynamic_shapes=({0: batch},))
+        targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+        assert targets.count(op.default) == 1
+        for rows in (1, SMALL_BATCH + 4):
+            torch.testing.assert_close(exported.module()(x[:rows]), block(x[:rows]))
 
 
 def test_cpu_linear_choice_follows_the_cpu():

@@ -1,0 +1,187 @@
+"""The compiled steps on disk: each step exported once (`torch.export`), compiled ahead of time by
+AOTInductor into a package, and loaded in milliseconds on every later start.
+
+A cache entry is a folder named by a digest of everything the compiled code depends on (`entry_key`):
+minigpt's own source, the torch build, the CPU and its threads, the model's config and the mode.
+Never the weights: the programs take them as inputs (`compiled.TensorsAsInputs`), so one entry serves
+every checkpoint of a shape and the weights are held once. An entry is written under a temporary name
+and renamed when complete; its manifest records the key and each package's SHA-256, all checked
+before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minigpt.cpu_linear import x86_flags
+from minigpt.progress import announce
+
+logger = logging.getLogger("minigpt")
+
+CACHE_DIR_ENV = "MINIGPT_CACHE_DIR"
+MANIFEST = "manifest.json"
+FORMAT = 1  # the layout of an entry; a change renames every entry
+# inductor's generated code checks every input's size and strides on each call, nearly all of them
+# weights whose shapes the entry's key fixes
+PACKAGE_OPTIONS = {"size_asserts": False}
+
+
+def default_cache_dir() -> Path:
+    """$MINIGPT_CACHE_DIR, else minigpt/compiled under $XDG_CACHE_HOME (default ~/.cache)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minigpt" / "compiled"
+
+
+@dataclass
+class ProgramSpec:
+    """One step to export: `module(*inputs)`, with `dynamic_shapes` as `torch.export.export` takes them.
+    Its constants (the module's parameters and buffers) are given at load, never packaged."""
+
+    name: str
+    module: torch.nn.Module
+    inputs: tuple
+    dynamic_shapes: tuple
+
+
+def source_digest() -> str:
+    """A digest of minigpt's own Python source: any change to the code a step runs rebuilds it."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_environment(device: torch.device) -> dict:
+    """What generated code depends on besides the model: torch's build, the CPU and the threads its
+    parallel loops are written for, or the GPU."""
+    flags = x86_flags()
+    environment = {
+        "format": FORMAT,
+        "minigpt": source_digest(),
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest() if flags else None,
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        environment["gpu"] = torch.cuda.get_device_name(device)
+    return environment
+
+
+def entry_key(description: dict) -> str:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class CorruptEntry(Exception):
+    """A cache entry that must not be run: incomplete, written for another key, or altered."""
+
+
+class ProgramCache:
+    """Compiled step packages under `root`, one folder per entry key."""
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def entry(self, description: dict) -> Path:
+        """The folder of the entry for `description`."""
+        return self.root / entry_key(json.loads(json.dumps(description)))
+
+    def load(self, description: dict, specs: Callable[[], list[ProgramSpec]]) -> dict[str, Callable]:
+        """The programs of the entry for `description`, built first if it is missing, stale or corrupt.
+        `specs()` makes what to export (only called to build)."""
+        description = json.loads(json.dumps(description))  # as its manifest will read back
+        entry = self.entry(description)
+        if entry.exists():
+            start = time.perf_counter()
+            try:
+                programs = self._load_entry(entry, description)
+            except CorruptEntry as err:
+                logger.warning("compile cache entry %s is unusable (%s): rebuilding it", entry, err)
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                logger.info("loaded the compiled steps from %s in %.2f s", entry, time.perf_counter() - start)
+                return programs
+        self._build(entry, description, specs())
+        return self._load_entry(entry, description)
+
+    def _load_entry(self, entry: Path, description: dict) -> dict[str, Callable]:
+        from torch._inductor import aoti_load_package
+
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CorruptEntry(f"no readable manifest: {err}") from None
+        if manifest.get("description") != description:
+            raise CorruptEntry("its manifest was written for another build")
+        paths = {name: entry / f"{name}.pt2" for name in files}
+        for name, path in paths.items():  # every package checked before any is loaded
+            if not path.is_file() or _sha256(path) != files[name]:
+                raise CorruptEntry(f"{path.name} is missing or altered")
+        programs = {}
+        for name, path in paths.items():
+            try:
+                program = aoti_load_package(str(path))
+            except (RuntimeError, OSError) as err:
+                detail = str(err).splitlines()[0] if str(err) else repr(err)
+                raise CorruptEntry(f"{path.name} does not load: {detail}") from err
+            programs[name] = program
+        return programs
+
+    def _build(self, entry: Path, description: dict, specs: list[ProgramSpec]) -> None:
+        """Export and compile every program into a temporary folder, then rename it into place."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        announce(logger, "compiling %d steps for this model shape and mode, once: later starts load them from %s",
+                 len(specs), self.root)
+        building = Path(tempfile.mkdtemp(prefix=f"{entry.name}.building-", dir=self.root))
+        try:
+            files = {spec.name: self._compile(spec, building, number, len(specs)) for number, spec in
+                     enumerate(specs, 1)}
+            (building / MANIFEST).write_text(json.dumps({"description": description, "files": files}, indent=1))
+            try:
+                building.rename(entry)
+            except OSError:  # another process finished the same entry first: its copy serves
+                pass
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        announce(logger, "compiled in %.0f s", time.perf_counter() - start)
+
+    @staticmethod
+    def _compile(spec: ProgramSpec, folder: Path, number: int, count: int) -> str:
+        """Export `spec` and compile it into `folder`/NAME.pt2 -> the package's SHA-256."""
+        from torch._inductor import aoti_compile_and_package
+
+        announce(logger, "compiling step %d/%d (%s)", number, count, spec.name)
+        path = folder / f"{spec.name}.pt2"
+        with warnings.catch_warnings(), torch.inference_mode():
+            # deprecations inside torch's own export and packaging: not the user's concern
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated")
+            exported = torch.export.export(spec.module, spec.inputs, dynamic_shapes=spec.dynamic_shapes)
+            aoti_compile_and_package(exported, package_path=str(path), inductor_configs=dict(PACKAGE_OPTIONS))
+        return _sha256(path)

@@ -1,0 +1,45 @@
+"""`python -m minigpt.precompile`: build compile=True's compiled steps into the cache ahead of time,
+for a container image, a CI job or a fleet of replicas that should all start in seconds.
+
+    python -m minigpt.precompile --model gpt2 --quantize w8a8 --kv-cache-dtype float16
+    MINIGPT_CACHE_DIR=/opt/minigpt-cache python -m minigpt.precompile --model ./ckpt --threads 4
+
+It takes the engine flags of `minigpt.generate` and `minigpt.serve` (compile=True is implied). The
+steps depend on the model's shape and mode, not its weights, the CPU and the number of threads:
+build them with the flags and on the kind of machine that will serve. Prints the entry's folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
+from minigpt.llm import LLM
+from minigpt.progress import log_to_stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m minigpt.precompile", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    log_to_stderr(logging.INFO)
+    engine_args = {**engine_args_from(args), "compile": True}
+    start = time.perf_counter()
+    try:
+        with LLM(args.model, **engine_args) as llm:
+            entry = llm.engine.runner.compiled.cache_entry
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as err:
+        print(f"minigpt.precompile: error: {error_line(err)}", file=sys.stderr)
+        return 2
+    print(entry)
+    logging.getLogger("minigpt").info("ready in %.1f s", time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

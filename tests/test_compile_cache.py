@@ -1,0 +1,146 @@
+"""compile=True's programs on disk (minigpt/compile_cache.py): built once per model shape and mode,
+loaded by every later engine, rebuilt (never run) when an entry is altered or written for another
+build, and run over the engine's own weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+
+from minigpt import LLM, SamplingParams
+from minigpt.compile_cache import MANIFEST, CorruptEntry, ProgramCache, default_cache_dir, entry_key
+
+from conftest import random_prompts
+
+PROMPTS = random_prompts([3, 17, 40], seed=5)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def tokens(llm) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def built_entry(tiny_checkpoint):
+    """(the tiny model's entry in the session's cache, its eager tokens), the entry built if need be."""
+    with LLM(str(tiny_checkpoint)) as llm:
+        want = tokens(llm)
+    with LLM(str(tiny_checkpoint), compile=True) as llm:
+        assert tokens(llm) == want
+        return llm.engine.runner.compiled.cache_entry, want
+
+
+@pytest.mark.slow
+def test_a_second_engine_loads_the_entry_without_compiling(tiny_checkpoint, built_entry):
+    entry, want = built_entry
+    with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
+        with LLM(str(tiny_checkpoint), compile=True) as llm:
+            assert llm.engine.runner.compiled.cache_entry == entry
+            assert tokens(llm) == want
+            assert [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == want
+
+
+@pytest.mark.slow
+def test_an_altered_entry_is_rebuilt_never_run(tiny_checkpoint, built_entry, tmp_path, caplog):
+    entry, want = built_entry
+    copy = tmp_path / entry.name
+    shutil.copytree(entry, copy)
+    decode = copy / "decode.pt2"
+    data = bytearray(decode.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    decode.write_bytes(bytes(data))
+    build = ProgramCache._build
+    with mock.patch.object(ProgramCache, "_build", autospec=True, side_effect=build) as rebuilt:
+        with caplog.at_level(logging.WARNING, logger="minigpt"):
+            with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
+                assert tokens(llm) == want
+    assert rebuilt.call_count == 1
+    assert "decode.pt2 is missing or altered" in caplog.text and "rebuilding" in caplog.text
+    manifest = json.loads((copy / MANIFEST).read_text())
+    assert manifest["description"] == json.loads((entry / MANIFEST).read_text())["description"]
+    with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
+        with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
+            assert tokens(llm) == want  # the rebuilt entry serves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["no manifest", "manifest of another build", "truncated manifest", "no package"])
+def test_every_kind_of_damage_is_detected_before_anything_loads(built_entry, tmp_path, damage):
+    entry, _ = built_entry
+    copy = tmp_path / entry.name
+    shutil.copytree(entry, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    if damage == "no manifest":
+        (copy / MANIFEST).unlink()
+    elif damage == "manifest of another build":
+        manifest["description"]["torch"] = "0.0.0"
+        (copy / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "truncated manifest":
+        (copy / MANIFEST).write_text((entry / MANIFEST).read_text()[:100])
+    else:
+        (copy / "attend.pt2").unlink()
+    description = json.loads((entry / MANIFEST).read_text())["description"]
+    with mock.patch("torch._inductor.aoti_load_package", side_effect=AssertionError("loaded")):
+        with pytest.raises(CorruptEntry):
+            ProgramCache(tmp_path)._load_entry(copy, description)
+
+
+@pytest.mark.slow
+def test_the_programs_run_the_engines_own_weights(tiny_checkpoint, built_entry):
+    """No program holds a copy: a weight changed in place after the start changes the compiled
+    engine's tokens exactly as the eager engine's; the weights go with the engine."""
+    _, want = built_entry
+    engines = [LLM(str(tiny_checkpoint)), LLM(str(tiny_checkpoint), compile=True)]
+    try:
+        changed = []
+        for llm in engines:
+            model = llm.engine.runner.model
+            with torch.no_grad():
+                model.h[0].ln_1.weight.mul_(-3.0)  # read by the halves' and the decode program
+            changed.append(tokens(llm))
+        assert changed[0] == changed[1] != want
+    finally:
+        for llm in engines:
+            llm.close()
+
+
+def test_the_key_names_everything_a_program_depends_on():
+    description = {"torch": "2.13.0", "config": [["n_layer", 2]], "pool": ["torch.float16", 2, 2, 16, 4, 16]}
+    assert entry_key(description) == entry_key(json.loads(json.dumps(description)))
+    for field, other in (("torch", "2.14.0"), ("config", [["n_layer", 3]]), ("pool", ["torch.float32", 2])):
+        assert entry_key({**description, field: other}) != entry_key(description)
+
+
+def test_the_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "here"))
+    assert default_cache_dir() == tmp_path / "here"
+    monkeypatch.delenv("MINIGPT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "minigpt" / "compiled"
+    assert ProgramCache(str(tmp_path / "given")).root == tmp_path / "given"
+
+
+@pytest.mark.slow
+def test_precompile_builds_the_entry_a_later_engine_loads(tiny_checkpoint, compile_cache_dir, capsys):
+    from minigpt.precompile import main
+
+    assert main(["--model", str(tiny_checkpoint), "--block-size", "8"]) == 0
+    entry = capsys.readouterr().out.strip()
+    assert (compile_cache_dir / entry.rsplit("/", 1)[-1] / MANIFEST).is_file()
+    with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
+        with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
+            assert str(llm.engine.runner.compiled.cache_entry) == entry
+
+
+def test_precompile_refuses_a_bad_flag_in_one_line(tiny_checkpoint, capsys):
+    from minigpt.precompile import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_checkpoint), "--block-size", "many"])
+    assert exit_.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
