@@ -157,30 +157,29 @@ class CompiledSteps:
                                f"{', '.join(missing)}")
         self.model, self.pool = model, pool  # the pool, not its tensor: the runner's close() frees that
         self._scales = attention_scales(model)
-        self.cache_entry = cache.entry(self.description())
+        description = self.description()
+        self.cache_entry = cache.entry(description)
         try:
-            programs = cache.load(self.description(), self._specs)
+            programs = cache.load(description, self._specs)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(
                 "compile=True could not compile the steps; run without it, or install what "
-                f"torch.compile needs (a C++ compiler on the CPU): {detail}"
+                f"AOTInductor needs (a C++ compiler on the CPU): {detail}"
             ) from err
         self._decode = functools.partial(programs["decode"], tensors_of(model))
         self.halves = (LayerHalf(programs["before"], model.h), LayerHalf(programs["after"], model.h))
         self.decode_backend = CompiledDecodeBackend(pool, programs["attend"])
 
     def description(self) -> dict:
-        """What the programs depend on: the build environment, the model's shape and mode, the pool's
-        layout. Not the weights: they are inputs of every program."""
+        """What the programs depend on: the build environment (which also decides the linears' kernels),
+        the model's shape and mode, the pool's layout. Not the weights: they are inputs of every program."""
         model, kv = self.model, self.pool.kv
         return {
             **build_environment(kv.device),
             "config": sorted(vars(model.config).items()),
             "dtype": str(model.dtype),
             "modules": sorted({type(module).__qualname__ for module in model.modules()}),
-            "linears": sorted({(name, getattr(module, name)) for module in model.modules()
-                               for name in ("fbgemm", "levels") if hasattr(module, name)}),
             "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of pages
         }
 
