@@ -27,8 +27,11 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("weight", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        # each pass over the weights is a pass over gigabytes for gpt2-xl: no temporary but the quotient
+        low, high = torch.aminmax(weight, dim=1)
+        scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
+        quotient = torch.div(weight, scales[:, None])
+        self.register_buffer("weight", quotient.round_().clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         # The CPU kernel takes half-precision activations and scales of the same dtype: keep those
         # scales ready instead of converting them on every call.
