@@ -10,6 +10,10 @@ Workloads (scripts/workloads.py) reproduce the seed write-ups:
   stream   one stream, 8-token prompt, 128 tokens: TTFT, TPOT, tok/s, GB/s and % of the bandwidth bound
   serving  Poisson arrivals at several rates: TTFT/TPOT p50/p99 and throughput
 
+Before its workloads, each engine and mode is started --starts times in a fresh process
+(scripts/start_probe.py): the first start (which may convert the checkpoint or build a compile
+cache) and the last one are reported, with that process's peak resident memory.
+
 Every engine gets the same prompt token ids and generates exactly max_new_tokens greedy tokens
 (EOS ignored). Numbers are medians over --repeats runs, measured in this one process, one after
 the other; the run waits for the machine to be quiet first and reports the other load it saw.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -148,7 +153,7 @@ class MinigptPeer(P.Peer):
 
 
 WORKLOADS = ("stream", "seed000", "seed002", "serving")  # in the order they run, each engine in turn
-BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "w8a8": 1, "q8_0": 34 / 32}
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "w8a8": 1, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -206,6 +211,7 @@ class Bench:
     def run(self) -> None:
         wanted = self.args.workloads.split(",")
         for peer, dtype in self.engines():
+            self.starts(peer, dtype)
             log(f"preparing {peer.name} {dtype}")
             try:
                 peer.prepare(self.ckpt, dtype)
@@ -219,6 +225,25 @@ class Bench:
             peer.close()
             self.save()  # an interrupted run keeps what it measured
         self.report()
+
+    def starts(self, peer: P.Peer, dtype: str) -> None:
+        """Start time and peak memory of `peer` in `dtype`, each start in a fresh process."""
+        probe = [sys.executable, str(Path(__file__).resolve().parent / "start_probe.py"), "--engine", peer.name,
+                 "--mode", dtype, "--model", str(self.ckpt)]
+        runs = []
+        for i in range(self.args.starts):
+            log(f"start {i + 1}/{self.args.starts}: {peer.name} {dtype}")
+            proc = self.measured(lambda: subprocess.run(probe, capture_output=True, text=True, check=False), "start")
+            if proc.returncode != 0:
+                log(f"  start failed: {proc.stderr.strip().splitlines()[-1:]}")
+                return
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            log(f"  {runs[-1]['start_s']:.1f} s, peak {runs[-1]['peak_rss_mb']:,.0f} MB")
+        if runs:
+            self.results.setdefault("start", []).append({
+                "label": f"{peer.name} {dtype}", "first_start_s": runs[0]["start_s"], "start_s": runs[-1]["start_s"],
+                "peak_rss_mb": runs[-1]["peak_rss_mb"], "starts": runs,
+            })
 
     def stream(self, peer: P.Peer, dtype: str) -> None:
         w = W.seed001(self.encode)
@@ -270,6 +295,10 @@ class Bench:
     def report(self) -> None:
         out = Path(self.args.out)
         print(f"Checkpoint {self.ckpt} | threads {P.THREADS} | memory read bandwidth {self.bandwidth:.1f} GB/s\n")
+        if rows := self.results.get("start"):
+            print("### Start and memory: a fresh process to ready, then 8 tokens\n")
+            print(table(["engine", "first start s", "start s", "peak MB"],
+                        [[r["label"], r["first_start_s"], r["start_s"], r["peak_rss_mb"]] for r in rows]) + "\n")
         if rows := self.results.get("stream"):
             print("### One stream (seed 001/003): 8-token prompt, 128 greedy tokens\n")
             print(table(["engine", "TTFT ms", "TPOT ms", "tok/s", "GB/s", "% of bandwidth bound"],
@@ -345,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-tokens", type=int, default=32, help="seed 002: tokens per prompt")
     parser.add_argument("--rates", default="2,8", help="serving: requests per second")
     parser.add_argument("--serving-requests", type=int, default=32, help="serving: requests at each rate")
+    parser.add_argument("--starts", type=int, default=2,
+                        help="fresh-process starts per engine and mode, for start time and peak memory (0: none)")
     parser.add_argument("--out", default="results", help="folder for the JSON results and the plot")
     parser.add_argument("--no-wait", dest="wait_quiet", action="store_false",
                         help="measure at once instead of waiting for other processes to settle")

@@ -16,18 +16,32 @@ def test_bench_smoke(checkpoint_factory, tmp_path):
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(checkpoint), "--engines", "minigpt",
          "--dtypes", "float32", "--workloads", "stream,seed000,seed002,serving", "--queries", "6",
          "--baseline-queries", "2", "--batch-sizes", "1,4", "--sweep-tokens", "4", "--rates", "20",
-         "--serving-requests", "4", "--repeats", "1", "--no-wait", "--out", str(tmp_path)],
+         "--serving-requests", "4", "--repeats", "1", "--starts", "1", "--no-wait", "--out", str(tmp_path)],
         capture_output=True, text=True, check=False,
     )
     assert result.returncode == 0, result.stderr
-    for heading in ("One stream", "Seed 000", "Seed 002", "Serving"):
+    for heading in ("Start and memory", "One stream", "Seed 000", "Seed 002", "Serving"):
         assert heading in result.stdout
     data = json.loads((tmp_path / "bench.json").read_text())
     batched = [r for r in data["seed000"] if r["mode"].startswith("continuous")][0]
     assert batched["tokens_generated"] == 6 * 64 and batched["avg_batch"] > 1
     assert all(r["tokens_generated"] == 128 for r in data["stream"])
+    [start] = data["start"]
+    assert start["label"] == "minigpt float32" and start["first_start_s"] == start["start_s"] > 0
     assert len(data["serving"]) == 1 and data["serving"][0]["requests"] == 4
     assert "  20 req/s: TTFT p50 " in result.stderr  # progress for each serving rate, as for each batch size
+
+
+def test_start_probe_times_a_fresh_minigpt_and_its_peak_memory(tiny_checkpoint):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "start_probe.py"), "--engine", "minigpt", "--mode", "w8a8",
+         "--model", str(tiny_checkpoint)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["start_s"] > 0
+    assert 100 < probe["peak_rss_mb"] < 100_000  # torch alone is ~100s of MB resident; MB, not KiB or bytes
 
 
 def test_bench_refuses_a_mode_no_engine_has(tiny_checkpoint, tmp_path):

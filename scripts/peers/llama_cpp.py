@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Peer
-from .llama_cpp_build import batched_bench, convert_to_gguf, import_llama_cpp
+from .llama_cpp_build import batched_bench, convert_to_gguf, import_llama_cpp, quantize_gguf
 from .machine import THREADS
 from .results import BatchResult, RequestTiming, ServingResult, StreamResult
 
@@ -75,8 +75,9 @@ class LlamaCppPeer(Peer):
     """
 
     name = "llama.cpp"
-    dtypes = ("float32", "bfloat16", "q8_0")
-    _OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}
+    dtypes = ("float32", "bfloat16", "q8_0", "q4_0")
+    _OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8_0": "q8_0"}  # the converter's
+    _QUANTIZED = ("q4_0",)  # made from the f32 file by llama.cpp's quantizer
 
     def __init__(self, n_batch: int = 2048, n_ubatch: int = 512, kv_unified: bool = False) -> None:
         super().__init__()
@@ -96,6 +97,8 @@ class LlamaCppPeer(Peer):
         return None
 
     def convert(self, checkpoint_dir: str | Path, dtype: str) -> Path:
+        if dtype in self._QUANTIZED:
+            return quantize_gguf(checkpoint_dir, dtype)
         return convert_to_gguf(checkpoint_dir, self._OUTTYPE[dtype])
 
     def prepare(self, checkpoint_dir: str | Path, dtype: str) -> None:

@@ -8,6 +8,7 @@ levels up, as in llama-cpp-python's sdist ``vendor/llama.cpp``.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib
 import json
@@ -99,6 +100,24 @@ def convert_to_gguf(checkpoint_dir: str | Path, outtype: str) -> Path:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {proc.stderr.strip().splitlines()[-1:]}")
+    tmp.rename(out)
+    return out
+
+
+def quantize_gguf(checkpoint_dir: str | Path, ftype: str) -> Path:
+    """The GGUF file for this checkpoint in a type only llama.cpp's quantizer makes (``q4_0``), made once
+    from the f32 conversion through the C API's ``llama_model_quantize`` (what ``llama-quantize`` runs)."""
+    out = checkpoint_cache_dir(checkpoint_dir) / f"model-{ftype}.gguf"
+    if out.exists():
+        return out
+    lib = import_llama_cpp()
+    source = convert_to_gguf(checkpoint_dir, "f32")
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.nthread = THREADS
+    tmp = out.with_suffix(".tmp")
+    if lib.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize to {ftype} failed for {source}")
     tmp.rename(out)
     return out
 
