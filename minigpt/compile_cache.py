@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from minigpt.cpu_linear import x86_flags
+from minigpt.engine_config import error_line
 from minigpt.progress import announce
 
 logger = logging.getLogger("minigpt")
@@ -48,7 +49,7 @@ def default_cache_dir() -> Path:
 @dataclass
 class ProgramSpec:
     """One step to export: `module(*inputs)`, with `dynamic_shapes` as `torch.export.export` takes them.
-    Its constants (the module's parameters and buffers) are given at load, never packaged."""
+    The module holds no weights: they are among its inputs (`compiled.TensorsAsInputs`)."""
 
     name: str
     module: torch.nn.Module
@@ -88,6 +89,11 @@ def entry_key(description: dict) -> str:
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def _as_read_back(description: dict) -> dict:
+    """`description` as its manifest will read it back (tuples as lists)."""
+    return json.loads(json.dumps(description))
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
@@ -108,13 +114,13 @@ class ProgramCache:
 
     def entry(self, description: dict) -> Path:
         """The folder of the entry for `description`."""
-        return self.root / entry_key(json.loads(json.dumps(description)))
+        return self.root / entry_key(_as_read_back(description))
 
     def load(self, description: dict, specs: Callable[[], list[ProgramSpec]]) -> dict[str, Callable]:
         """The programs of the entry for `description`, built first if it is missing, stale or corrupt.
         `specs()` makes what to export (only called to build)."""
-        description = json.loads(json.dumps(description))  # as its manifest will read back
-        entry = self.entry(description)
+        description = _as_read_back(description)
+        entry = self.root / entry_key(description)
         if entry.exists():
             start = time.perf_counter()
             try:
@@ -147,8 +153,7 @@ class ProgramCache:
             try:
                 program = aoti_load_package(str(path))
             except (RuntimeError, OSError) as err:
-                detail = str(err).splitlines()[0] if str(err) else repr(err)
-                raise CorruptEntry(f"{path.name} does not load: {detail}") from err
+                raise CorruptEntry(f"{path.name} does not load: {error_line(err)}") from err
             programs[name] = program
         return programs
 

@@ -23,6 +23,7 @@ from torch.export import Dim
 from minigpt.attention import PoolAttention, paged_decode
 from minigpt.attention_backends import store_kv
 from minigpt.compile_cache import ProgramCache, ProgramSpec, build_environment
+from minigpt.engine_config import error_line
 from minigpt.kv_cache import KVPool
 from minigpt.model import GPT2, Block, attention_inputs, attention_outputs
 from minigpt.torch_compat import missing_internals
@@ -162,10 +163,9 @@ class CompiledSteps:
         try:
             programs = cache.load(description, self._specs)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise RuntimeError(
                 "compile=True could not compile the steps; run without it, or install what "
-                f"AOTInductor needs (a C++ compiler on the CPU): {detail}"
+                f"AOTInductor needs (a C++ compiler on the CPU): {error_line(err)}"
             ) from err
         self._decode = functools.partial(programs["decode"], tensors_of(model))
         self.halves = (LayerHalf(programs["before"], model.h), LayerHalf(programs["after"], model.h))
