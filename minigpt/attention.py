@@ -5,8 +5,8 @@ One class for each way a forward attends:
 - `CausalAttention`: a (B, T) batch among its own tokens, no cache (the plain `model(input_ids)`).
 - `PagedAttention`: an engine step over the paged pool: stores the step's K/V, then each prompt chunk
   through SDPA and the decodes through the backend chosen at start (attention_backends.py).
-- `PoolAttention` and `PromptAttention`: the pure forms the compiled steps run (compiled.py). They
-  never write the pool: the loop returns the step's new K/V, which the caller stores.
+- `PoolAttention`: the pure form the compiled decode runs (compiled.py). It never writes the pool:
+  the step returns the new K/V, which the caller stores.
 
 A step is a flat batch of tokens: first the prompt chunks being prefilled (one segment per sequence),
 then one token per decoding sequence. `StepMetadata` says where each token's K/V goes and which pages
@@ -104,16 +104,6 @@ class PoolAttention:
         q, k, v = q.float() * self.scales[layer], k.float(), v.float()
         y = attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
         return y.to(dtype).reshape(q.shape[0], -1)
-
-
-class PromptAttention:
-    """One sequence's whole prompt, nothing cached: plain causal attention among its own tokens."""
-
-    def __init__(self, scales: Sequence[float], upcast: bool) -> None:
-        self.scales, self.upcast = scales, upcast
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return token_attention(q, k, v, self.scales[layer], self.upcast).to(q.dtype).reshape(q.shape[0], -1)
 
 
 def prefill_attention(

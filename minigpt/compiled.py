@@ -1,18 +1,17 @@
-"""The compiled steps of `compile=True`: the model's one layer loop, exported and compiled ahead of time
-by AOTInductor, built once per model shape and mode and loaded from disk on later starts
-(`compile_cache`). Every program takes the model's tensors as inputs: none holds a copy of them.
+"""The compiled steps of `compile=True`: programs of one block's shape, exported and compiled ahead of
+time by AOTInductor, built once per model shape and mode and loaded from disk on later starts
+(`compile_cache`). Every program takes its layer's tensors as inputs: none holds a copy of them, and one
+program serves every layer, so a program costs as much to build for gpt2-xl's 48 layers as for gpt2's 12.
 
-- `decode_step`: one token per sequence, any batch: the model's layer loop with an attention that
-  reads the pool and never writes it, returning the step's new K/V, which `CompiledSteps` stores
-  after the call (a program that wrote into its input pool would copy the whole pool on every call).
-- Every other step (prompts, prompts beside decodes, verification of drafts) runs the same loop
-  eagerly, around one program for each block's half before and after attention, shared by every
-  layer (the layer's tensors are its inputs), and one for the decodes' attention.
-"""
+- `decode_layer`: a block's whole decode, one token per sequence, any batch: its attention reads the
+  layer's pages and never writes them; it returns the tokens' new K/V, which `decode_step` stores
+  after the call. `decode_step` runs the layers, the embedding and the head around it.
+- Every other step (prompts, prompts beside decodes, verification of drafts) runs the model's layer
+  loop eagerly, around one program for each block's half before and after attention and one for the
+  decodes' attention."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -35,6 +34,22 @@ logger = logging.getLogger("minigpt")
 EXAMPLE_BATCH, EXAMPLE_PAGES, EXAMPLE_TOKENS, EXAMPLE_BLOCKS = 5, 7, 11, 3
 
 
+def decode_layer(
+    block: Block,
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a decode step, one token per sequence: x [B, C] -> (the next x, the tokens' new K/V
+    [2, B, H, D] in the pool's dtype). pool: this layer's pages (2, blocks, block_size, H, D), read
+    only; block_tables: [B, W]; context_lens: [B] tokens including this step's; scale: a 0-d tensor."""
+    q, k, v = attention_inputs(block, x)
+    y = PoolAttention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
+    return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)  # the cast fused: no pass of its own
+
+
 def decode_step(
     model: GPT2,
     input_ids: torch.Tensor,
@@ -42,15 +57,22 @@ def decode_step(
     kv_pool: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
     scales: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence -> (logits [B, vocab], new K/V [n_layer, 2, B, H, D] in the pool's dtype).
+    layer: Callable = decode_layer,
+) -> torch.Tensor:
+    """One token per sequence -> logits [B, vocab]; each layer's new K/V stored at `slot_mapping` once
+    that layer has attended. `layer`: `decode_layer`, or its compiled program (`LayerProgram`).
 
-    kv_pool: (n_layer, 2, blocks, block_size, H, D), read only; block_tables: [B, W];
-    context_lens: [B] tokens including this step's; scales: [n_layer] each layer's attention scale."""
-    attention = PoolAttention(kv_pool, block_tables, context_lens, scales)
-    logits, new_kv = model.run(input_ids, positions, attention, return_kv=True)
-    return logits, new_kv.to(kv_pool.dtype)  # cast here, fused: not a pass of its own
+    kv_pool: (n_layer, 2, blocks, block_size, H, D); scales: [n_layer] each layer's attention scale.
+    A program that wrote into its input pool would copy the whole pool on every call: the program
+    returns the K/V, stored here."""
+    x = model.embed(input_ids, positions)
+    slots = kv_pool.flatten(2, 3)  # pages as token slots: (n_layer, 2, blocks * block_size, H, D)
+    for index, block in enumerate(model.h):
+        x, new_kv = layer(block, x, kv_pool[index], block_tables, context_lens, scales[index])
+        slots[index].index_copy_(1, slot_mapping, new_kv)
+    return model.head(x)
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
@@ -98,8 +120,8 @@ class PagedDecodeProgram(torch.nn.Module):
         return paged_decode(query, pages, block_tables, context_lens, first_pages, scale)
 
 
-class LayerHalf:
-    """A block's half as a loaded program, called as the eager halves are: `half(block, *inputs)`."""
+class LayerProgram:
+    """A loaded program of one block's shape, called as its eager function is: `program(block, *inputs)`."""
 
     def __init__(self, program: Callable, blocks: torch.nn.ModuleList) -> None:
         self.program = program
@@ -148,7 +170,7 @@ class CompiledDecodeBackend:
 
 
 class CompiledSteps:
-    """The compiled programs of one model and pool: `decode_step`, a block's halves and the decodes'
+    """The compiled programs of one model and pool: `decode_layer`, a block's halves and the decodes'
     attention, loaded from `cache` (built there first if missing)."""
 
     def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache) -> None:
@@ -167,8 +189,8 @@ class CompiledSteps:
                 "compile=True could not compile the steps; run without it, or install what "
                 f"AOTInductor needs (a C++ compiler on the CPU): {error_line(err)}"
             ) from err
-        self._decode = functools.partial(programs["decode"], tensors_of(model))
-        self.halves = (LayerHalf(programs["before"], model.h), LayerHalf(programs["after"], model.h))
+        self.layer = LayerProgram(programs["layer"], model.h)
+        self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
         self.decode_backend = CompiledDecodeBackend(pool, programs["attend"])
 
     def description(self) -> dict:
@@ -184,33 +206,34 @@ class CompiledSteps:
         }
 
     def _specs(self) -> list[ProgramSpec]:
-        """What to export, with example inputs of the pool's dtype and device."""
+        """What to export, with example inputs of the pool's dtype and device: every program is of one
+        block's shape (each layer's tensors are its inputs), so what it costs to build is the same for
+        every depth of model."""
         model, kv = self.model, self.pool.kv
         device, config = kv.device, model.config
         batch, pages, tokens = Dim("batch", min=1), Dim("pages", min=1), Dim("tokens", min=1)
         blocks = Dim("blocks", min=1)
-        ids = torch.zeros(EXAMPLE_BATCH, dtype=torch.int64, device=device)
         tables = torch.zeros(EXAMPLE_BATCH, EXAMPLE_PAGES, dtype=torch.int32, device=device)
         lens = torch.full((EXAMPLE_BATCH,), 2, dtype=torch.int32, device=device)
         x = torch.zeros(EXAMPLE_TOKENS, config.n_embd, device=device)
         block = model.h[0]
         with torch.inference_mode():
             q = attention_inputs(block, x[:EXAMPLE_BATCH])[0]
-        pool = kv.new_zeros(*kv.shape[:2], EXAMPLE_BLOCKS, *kv.shape[3:])  # any number of pages: not this one
+        pool = kv.new_zeros(kv.shape[1], EXAMPLE_BLOCKS, *kv.shape[3:])  # one layer's, of any number of pages
         y = torch.zeros_like(x, dtype=q.dtype)  # the attention's output, in the query's dtype
-        model_tensors, block_tensors = tensors_of(model), tensors_of(block)
+        block_tensors = tensors_of(block)
+        weights = (None,) * len(block_tensors)
         # every program's inputs after the tensors are its `*inputs`: one tuple to export
         return [
-            ProgramSpec("decode", TensorsAsInputs(decode_step, model),
-                        (model_tensors, ids, ids + 1, pool, tables, lens, self._scales),
-                        ((None,) * len(model_tensors),
-                         ({0: batch}, {0: batch}, {2: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
+            ProgramSpec("layer", TensorsAsInputs(decode_layer, block),
+                        (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self._scales[0]),
+                        (weights, ({0: batch}, {1: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
             ProgramSpec("before", TensorsAsInputs(attention_inputs, block), (block_tensors, x),
-                        ((None,) * len(block_tensors), ({0: tokens},))),
+                        (weights, ({0: tokens},))),
             ProgramSpec("after", TensorsAsInputs(attention_outputs, block), (block_tensors, x, y),
-                        ((None,) * len(block_tensors), ({0: tokens}, {0: tokens}))),
+                        (weights, ({0: tokens}, {0: tokens}))),
             ProgramSpec("attend", PagedDecodeProgram(),
-                        (q, pool.view(-1, *pool.shape[3:]), tables, lens, torch.tensor([0, 1], device=device),
+                        (q, pool.flatten(0, 1), tables, lens, torch.tensor([0, 1], device=device),
                          torch.tensor(1.0, device=device)),
                         ({0: batch}, {0: blocks}, {0: batch, 1: pages}, {0: batch}, None, None)),
         ]
@@ -223,9 +246,5 @@ class CompiledSteps:
     def __call__(self, inputs) -> torch.Tensor:
         """Logits of a step `covers` takes; the step's K/V land in the pool at its slots."""
         meta = inputs.meta
-        logits, new_kv = self._decode(inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
-                                      meta.decode_context_lens, self._scales)
-        kv = self.pool.kv
-        slots = kv.view(*kv.shape[:2], kv.shape[2] * kv.shape[3], *kv.shape[4:])  # pages as token slots
-        slots.index_copy_(2, meta.slot_mapping, new_kv)  # K/V come in the pool's dtype
-        return logits
+        return decode_step(self.model, inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
+                           meta.decode_context_lens, meta.slot_mapping, self._scales, self.layer)

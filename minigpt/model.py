@@ -151,31 +151,25 @@ class GPT2(nn.Module):
         attention: Attention,
         logits_rows: torch.Tensor | slice | None = None,
         halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs),
-        return_kv: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only.
 
         `attention(layer, q, k, v)` is how the tokens attend (minigpt/attention.py). Once the last
         layer has attended, only `logits_rows` go on through its projection and MLP: for a prompt, one
         row instead of all of them. `halves`: a block's two halves around its attention (compiled ones
-        in a compiled engine's eager steps). `return_kv`: also return every layer's K/V of the N tokens,
-        (n_layer, 2, N, H, D), for the pure steps that leave the pool to their caller."""
+        in a compiled engine's eager steps)."""
         before, after = halves
         x = self.embed(input_ids, positions)  # (N, C) fp32
-        new_kv = []
         last = len(self.h) - 1
         for layer, block in enumerate(self.h):
             q, k, v = before(block, x)  # (N, H, D) each
-            if return_kv:
-                new_kv.append(torch.stack([k, v]))
             y = attention(layer, q, k, v)  # (N, C)
             if layer == last and logits_rows is not None:
                 x, y = x[logits_rows], y[logits_rows]
                 if not len(x):  # a prompt chunk that samples nothing: no logits to compute
                     break
             x = after(block, x, y)
-        logits = self.head(x)
-        return (logits, torch.stack(new_kv)) if return_kv else logits
+        return self.head(x)
 
     def attention_scales(self) -> list[float]:
         return [block.attn.scale for block in self.h]

@@ -12,7 +12,7 @@ import torch
 from minigpt import LLM, SamplingParams
 from minigpt.attention import PagedAttention
 from minigpt.attention_backends import TorchBackend
-from minigpt.compiled import LayerHalf, attention_scales, decode_step
+from minigpt.compiled import LayerProgram, attention_scales, decode_step
 from minigpt.model import attention_inputs, attention_outputs
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -35,31 +35,32 @@ def eager_step(runner, inputs, kv=None, halves=(attention_inputs, attention_outp
 )
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache_dtype, block_size):
-    """With a half-precision pool both read the same rounded pages; only the new token's own K/V
-    differs (the eager step reads it back rounded from the pool, the pure step uses it as computed)."""
+    """`decode_step` over `decode_layer` (what the compiled decode runs, eagerly) gives the eager paged
+    step's logits and stores the same K/V. With a half-precision pool both read the same rounded pages;
+    only the new token's own K/V differs (the eager step reads it back rounded from the pool, the pure
+    step uses it as computed)."""
     prompts = random_prompts(LENGTHS)
     with LLM(str(tiny_checkpoint), dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size) as llm:
         engine = llm.engine
         for prompt in prompts:
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         engine.step()  # prefills every prompt and samples its first token
-        for _ in range(2):  # then decode-only steps: compare them before the eager step runs
+        for _ in range(2):  # then decode-only steps: the pure one into a copy of the pool, the eager one after
             inputs = engine.runner.prepare(engine.scheduler.schedule().chunks)
             meta = inputs.meta
             assert not meta.prefills
+            pool = engine.runner.pool.kv.clone()
             with torch.inference_mode():
-                logits, new_kv = decode_step(
-                    engine.runner.model, inputs.input_ids, inputs.positions, engine.runner.pool.kv,
-                    meta.decode_block_tables, meta.decode_context_lens, attention_scales(engine.runner.model),
+                logits = decode_step(
+                    engine.runner.model, inputs.input_ids, inputs.positions, pool, meta.decode_block_tables,
+                    meta.decode_context_lens, meta.slot_mapping, attention_scales(engine.runner.model),
                 )
                 want = eager_step(engine.runner, inputs)
             exact = dtype == "float32" and kv_cache_dtype is None
             # half precision: ~2 bf16 ulps at this model's largest logits (|logit| < 4, ulp 2^-6)
             tol = dict(rtol=1e-5, atol=1e-5) if exact else dict(rtol=2e-2, atol=3e-2)
             torch.testing.assert_close(logits, want, **tol)
-            slots = engine.runner.pool.kv.flatten(2, 3)[:, :, meta.slot_mapping]  # what the eager step wrote
-            assert new_kv.dtype == slots.dtype  # ready to store: the cast is fused into the step
-            torch.testing.assert_close(new_kv, slots, **tol)
+            torch.testing.assert_close(pool, engine.runner.pool.kv, **tol)  # the same K/V, at the same slots
             for seq, token in zip(inputs.sample_seqs, want.argmax(-1).tolist(), strict=True):
                 seq.num_computed_tokens += 1
                 seq.append(token, None)
@@ -77,7 +78,7 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
         inputs = runner.prepare(engine.scheduler.schedule().chunks)
         assert len(inputs.meta.prefills) == len(LENGTHS) and not runner.compiled.covers(inputs)
         compiled = runner.compiled.halves
-        assert all(isinstance(half, LayerHalf) for half in compiled)
+        assert all(isinstance(half, LayerProgram) for half in compiled)
         pool = runner.pool.kv.clone()
         with torch.inference_mode():
             got = eager_step(runner, inputs, halves=compiled)
