@@ -26,12 +26,8 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        # each pass over the weights is a pass over gigabytes for gpt2-xl: no temporary but the quotient
-        low, high = torch.aminmax(weight, dim=1)
-        scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
-        quotient = torch.div(weight, scales[:, None])
-        self.register_buffer("weight", quotient.round_().clamp_(-127, 127).to(torch.int8))
+        weight, scales = round_to_int8(linear.weight.detach().float())
+        self.register_buffer("weight", weight)
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         # The CPU kernel takes half-precision activations and scales of the same dtype: keep those
         # scales ready instead of converting them on every call.
@@ -83,6 +79,22 @@ class W8A8Linear(Int8Linear):
         if self.bias is not None:
             out.add_(self.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def round_to_int8(weight: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 [out, in], fp32 scales [out]): each row rounded to its absmax / 127.
+
+    `rows` rows at a time through one small buffer: a quotient of the whole weight would be a fresh
+    allocation the size of the weight (gigabytes for gpt2-xl), whose page faults cost more than the division."""
+    low, high = torch.aminmax(weight, dim=1)
+    scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
+    rounded = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    quotient = weight.new_empty(min(rows, weight.shape[0]), weight.shape[1])
+    for start in range(0, weight.shape[0], rows):
+        chunk = quotient[: min(rows, weight.shape[0] - start)]
+        torch.div(weight[start : start + rows], scales[start : start + rows, None], out=chunk)
+        rounded[start : start + rows].copy_(chunk.round_().clamp_(-127, 127))
+    return rounded, scales
 
 
 def _half_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -10,7 +10,7 @@ import torch
 
 from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
-from minigpt.quantize import Int8Linear, W8A8Linear, quantize
+from minigpt.quantize import Int8Linear, W8A8Linear, quantize, round_to_int8
 
 from conftest import write_hf_checkpoint
 
@@ -30,6 +30,21 @@ def test_int8_linear_matches_dequantized_weights(in_features):
     assert (dequantized - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-7  # rounding error bound
     expected = x @ dequantized.t() + linear.bias
     torch.testing.assert_close(q(x), expected, rtol=2e-2, atol=2e-2)  # activations pass through bf16
+
+
+def test_round_to_int8_rounds_each_row_whatever_the_chunks():
+    """Rows rounded a chunk at a time, the last chunk short: the same int8 as the whole weight at once,
+    each row to its own absmax / 127 (a zero row to zeros)."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 64) * torch.rand(300, 1)
+    weight[7] = 0
+    low, high = torch.aminmax(weight, dim=1)
+    scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
+    want = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    for rows in (1, 64, 256, 300, 1000):
+        rounded, got_scales = round_to_int8(weight, rows)
+        assert torch.equal(rounded, want) and torch.equal(got_scales, scales)
+    assert rounded[7].eq(0).all() and rounded.abs().amax(1)[torch.arange(300) != 7].eq(127).all()
 
 
 @pytest.mark.parametrize("mode", ["int8", "w8a8"])
