@@ -7,6 +7,10 @@ Never the weights: the programs take them as inputs (`compiled.TensorsAsInputs`)
 every checkpoint of a shape and the weights are held once. An entry is written under a temporary name
 and renamed when complete; its manifest records the key and each package's SHA-256, all checked
 before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run.
+
+A first start builds the steps side by side, each in a process of its own (`minigpt.compile_worker`),
+as many at once as the CPU has cores: a build is mostly one thread of Python, then one of the C++
+compiler.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 
 from minigpt.cpu_linear import x86_flags
 from minigpt.engine_config import error_line
@@ -161,12 +168,13 @@ class ProgramCache:
         """Export and compile every program into a temporary folder, then rename it into place."""
         self.root.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        announce(logger, "compiling %d steps for this model shape and mode, once: later starts load them from %s",
-                 len(specs), self.root)
+        workers = build_workers(specs)
+        announce(logger, "compiling %d steps for this model shape and mode (%d at a time), once: later starts "
+                 "load them from %s", len(specs), workers, self.root)
         building = Path(tempfile.mkdtemp(prefix=f"{entry.name}.building-", dir=self.root))
         try:
-            files = {spec.name: self._compile(spec, building, number, len(specs)) for number, spec in
-                     enumerate(specs, 1)}
+            build = _build_one_by_one if workers == 1 else _build_side_by_side
+            files = build(specs, building, workers)
             (building / MANIFEST).write_text(json.dumps({"description": description, "files": files}, indent=1))
             try:
                 building.rename(entry)
@@ -176,17 +184,71 @@ class ProgramCache:
             shutil.rmtree(building, ignore_errors=True)
         announce(logger, "compiled in %.0f s", time.perf_counter() - start)
 
-    @staticmethod
-    def _compile(spec: ProgramSpec, folder: Path, number: int, count: int) -> str:
-        """Export `spec` and compile it into `folder`/NAME.pt2 -> the package's SHA-256."""
-        from torch._inductor import aoti_compile_and_package
 
-        announce(logger, "compiling step %d/%d (%s)", number, count, spec.name)
-        path = folder / f"{spec.name}.pt2"
-        with warnings.catch_warnings(), torch.inference_mode():
-            # deprecations inside torch's own export and packaging: not the user's concern
-            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated")
-            exported = torch.export.export(spec.module, spec.inputs, dynamic_shapes=spec.dynamic_shapes)
-            aoti_compile_and_package(exported, package_path=str(path), inductor_configs=dict(PACKAGE_OPTIONS))
-        return _sha256(path)
+def build_workers(specs: list[ProgramSpec]) -> int:
+    """How many steps to build at once: one per core this process may use, on the CPU; one on a GPU."""
+    devices = {tensor.device.type for tensor in pytree.tree_leaves([spec.inputs for spec in specs])
+               if isinstance(tensor, torch.Tensor)}
+    if devices != {"cpu"}:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(len(specs), cores))
+
+
+def compile_program(spec: ProgramSpec, package: str | Path) -> str:
+    """Export `spec` and compile it into the `package` file -> the package's SHA-256."""
+    from torch._inductor import aoti_compile_and_package
+
+    with warnings.catch_warnings(), torch.inference_mode():
+        # deprecations inside torch's own export and packaging: not the user's concern
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated")
+        exported = torch.export.export(spec.module, spec.inputs, dynamic_shapes=spec.dynamic_shapes)
+        aoti_compile_and_package(exported, package_path=str(package), inductor_configs=dict(PACKAGE_OPTIONS))
+    return _sha256(Path(package))
+
+
+def _build_one_by_one(specs: list[ProgramSpec], folder: Path, workers: int) -> dict[str, str]:
+    files = {}
+    for number, spec in enumerate(specs, 1):
+        announce(logger, "compiling step %d/%d (%s)", number, len(specs), spec.name)
+        files[spec.name] = compile_program(spec, folder / f"{spec.name}.pt2")
+    return files
+
+
+def _build_side_by_side(specs: list[ProgramSpec], folder: Path, workers: int) -> dict[str, str]:
+    """Each spec built by `minigpt.compile_worker` in a process of its own, `workers` at a time."""
+    package_root = str(Path(__file__).resolve().parent.parent)  # where this minigpt is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    waiting, running, files = list(specs), {}, {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                spec = waiting.pop(0)
+                torch.save(spec, folder / f"{spec.name}.spec")
+                log = open(folder / f"{spec.name}.log", "w+")  # noqa: SIM115 - closed when the process ends
+                command = [sys.executable, "-m", "minigpt.compile_worker", str(folder / f"{spec.name}.spec"),
+                           str(folder / f"{spec.name}.pt2"), str(torch.get_num_threads())]
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[spec.name] = (process, log, time.perf_counter())
+            time.sleep(0.05)
+            for name, (process, log, started) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[name]
+                log.seek(0)
+                lines = [line for line in log.read().splitlines() if line.strip()]
+                log.close()
+                for scratch in (f"{name}.spec", f"{name}.log"):  # the entry holds packages and manifest only
+                    (folder / scratch).unlink()
+                if process.returncode:
+                    raise RuntimeError(f"compiling step {name} failed: {lines[-1] if lines else process.returncode}")
+                files[name] = _sha256(folder / f"{name}.pt2")
+                announce(logger, "compiled step %s (%d/%d) in %.0f s", name, len(files), len(specs),
+                         time.perf_counter() - started)
+    finally:
+        for process, log, _ in running.values():
+            process.kill()
+            process.wait()
+            log.close()
+    return {spec.name: files[spec.name] for spec in specs}

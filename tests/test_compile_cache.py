@@ -12,8 +12,8 @@ from unittest import mock
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams
-from minigpt.compile_cache import MANIFEST, CorruptEntry, ProgramCache, default_cache_dir, entry_key
+from minigpt import LLM, SamplingParams, compile_cache
+from minigpt.compile_cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
 
 from conftest import random_prompts
 
@@ -50,17 +50,17 @@ def test_an_altered_entry_is_rebuilt_never_run(tiny_checkpoint, built_entry, tmp
     entry, want = built_entry
     copy = tmp_path / entry.name
     shutil.copytree(entry, copy)
-    decode = copy / "decode.pt2"
-    data = bytearray(decode.read_bytes())
+    layer = copy / "layer.pt2"
+    data = bytearray(layer.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    decode.write_bytes(bytes(data))
+    layer.write_bytes(bytes(data))
     build = ProgramCache._build
     with mock.patch.object(ProgramCache, "_build", autospec=True, side_effect=build) as rebuilt:
         with caplog.at_level(logging.WARNING, logger="minigpt"):
             with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
                 assert tokens(llm) == want
     assert rebuilt.call_count == 1
-    assert "decode.pt2 is missing or altered" in caplog.text and "rebuilding" in caplog.text
+    assert "layer.pt2 is missing or altered" in caplog.text and "rebuilding" in caplog.text
     manifest = json.loads((copy / MANIFEST).read_text())
     assert manifest["description"] == json.loads((entry / MANIFEST).read_text())["description"]
     with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
@@ -107,6 +107,27 @@ def test_the_programs_run_the_engines_own_weights(tiny_checkpoint, built_entry):
     finally:
         for llm in engines:
             llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_steps_built_in_turn_or_side_by_side_serve_alike(tiny_checkpoint, built_entry, tmp_path, workers):
+    """A first start builds its steps in processes of their own, as many at once as it has cores (one
+    on a one-core machine, in this process): either way the entry gives the eager tokens."""
+    entry, want = built_entry
+    with mock.patch.object(compile_cache, "build_workers", return_value=workers):
+        with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
+            assert llm.engine.runner.compiled.cache_entry.name == entry.name
+            assert tokens(llm) == want
+    assert sorted(path.name for path in (tmp_path / entry.name).iterdir()) == sorted(
+        path.name for path in entry.iterdir())  # packages and manifest only: no spec or log left behind
+
+
+def test_a_step_that_fails_to_build_in_its_process_says_why(tmp_path):
+    spec = ProgramSpec("broken", torch.nn.Linear(4, 4), (torch.zeros(3, 5),), None)  # 5 inputs into 4
+    with pytest.raises(RuntimeError, match=r"compiling step broken failed: .*\S"):
+        compile_cache._build_side_by_side([spec], tmp_path, 2)
+    assert not list(tmp_path.glob("*.pt2"))
 
 
 def test_the_key_names_everything_a_program_depends_on():
