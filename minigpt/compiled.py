@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from minigpt.attention import PoolAttention, paged_decode
@@ -120,15 +121,28 @@ class PagedDecodeProgram(torch.nn.Module):
         return paged_decode(query, pages, block_tables, context_lens, first_pages, scale)
 
 
+class FlatProgram:
+    """A loaded package called with its inputs as one flat list of tensors: the package's own `__call__`
+    parses its input and output specs again and flattens its inputs at every call, a cost paid once
+    per layer of every step (scripts/PERFORMANCE.md, "Start time and memory of compile=True")."""
+
+    def __init__(self, package) -> None:
+        self.run = package.loader.boxed_run
+        self.outputs = pytree.treespec_loads(package.loader.get_call_spec()[1])
+
+    def __call__(self, *tensors: torch.Tensor):
+        return pytree.tree_unflatten(self.run(list(tensors)), self.outputs)
+
+
 class LayerProgram:
     """A loaded program of one block's shape, called as its eager function is: `program(block, *inputs)`."""
 
-    def __init__(self, program: Callable, blocks: torch.nn.ModuleList) -> None:
-        self.program = program
+    def __init__(self, package, blocks: torch.nn.ModuleList) -> None:
+        self.program = FlatProgram(package)
         self.tensors = {id(block): tensors_of(block) for block in blocks}
 
     def __call__(self, block: Block, *inputs: torch.Tensor):
-        return self.program(self.tensors[id(block)], *inputs)
+        return self.program(*self.tensors[id(block)], *inputs)
 
 
 class CompiledDecodeBackend:
@@ -191,7 +205,7 @@ class CompiledSteps:
             ) from err
         self.layer = LayerProgram(programs["layer"], model.h)
         self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
-        self.decode_backend = CompiledDecodeBackend(pool, programs["attend"])
+        self.decode_backend = CompiledDecodeBackend(pool, FlatProgram(programs["attend"]))
 
     def description(self) -> dict:
         """What the programs depend on: the build environment (which also decides the linears' kernels),

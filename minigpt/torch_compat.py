@@ -14,6 +14,8 @@ INTERNALS = (
     "torch.func.functional_call",
     "torch._inductor.aoti_compile_and_package",
     "torch._inductor.aoti_load_package",
+    "torch._C._aoti.AOTIModelPackageLoader.boxed_run",  # a loaded package's `.loader`, called with flat inputs
+    "torch._C._aoti.AOTIModelPackageLoader.get_call_spec",
 )
 
 
