@@ -193,7 +193,8 @@ class GPT2(nn.Module):
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
     """Swap every nn.Linear of `model` in place for `make(linear)` (quantized, packed, ...)."""
-    for module in list(model.modules()):
+    parents = [module for module in model.modules() if not isinstance(module, nn.Linear)]  # not the linears:
+    for module in parents:  # each replaced one is freed at once, not when all are (gigabytes for gpt2-xl)
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))

@@ -12,9 +12,12 @@ weights is ever held. No pickle code runs: `.bin` files go through `weights_only
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import pickle
 import re
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,22 +167,11 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _read_tensors(file: Path, take: Take | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of one weights file, one tensor in memory at a time for safetensors;
+    """(name, tensor) pairs of one weights file, one tensor of a safetensors file in memory at a time;
     with `take`, the part of each tensor it picks (from safetensors, only that part is read)."""
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    if take is None:
-                        yield name, handle.get_tensor(name)
-                    else:
-                        yield name, take(name.removeprefix("transformer."), handle.get_slice(name))
-        except Exception as err:
-            if isinstance(err, CheckpointError):
-                raise
-            raise CheckpointError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
+        for name, tensor in _mapped_safetensors(file):
+            yield name, tensor if take is None else take(name.removeprefix("transformer."), tensor)
         return
     try:
         try:
@@ -198,6 +190,45 @@ def _read_tensors(file: Path, take: Take | None = None) -> Iterator[tuple[str, t
         raise CheckpointError(f"{file} does not hold a state dict")
     for name, tensor in state.items():
         yield name, tensor if take is None else take(name.removeprefix("transformer."), tensor)
+
+
+def _mapped_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file as a view of the file mapped into memory, to be copied before
+    the next one is asked for: each tensor's pages are handed back as the reader moves on, so reading a
+    file holds one tensor of it, not the whole file, in this process's memory (gpt2-xl: 6.2 GB).
+
+    The format: an 8-byte little-endian header size, a JSON header (each tensor's dtype, shape and byte
+    offsets after the header), the tensors' bytes."""
+    try:
+        with open(file, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views are writable
+        (size,) = struct.unpack("<Q", mapped[:8])
+        header = json.loads(mapped[8 : 8 + size])
+        entries = [(name, _SAFETENSORS_DTYPES[e["dtype"]], e["shape"], *e["data_offsets"])
+                   for name, e in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as err:
+        raise CheckpointError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
+    base = 8 + size
+    for name, dtype, shape, start, end in entries:
+        count = math.prod(shape)
+        if not 0 <= start <= end or base + end > len(mapped) or end - start != count * dtype.itemsize:
+            raise CheckpointError(f"cannot read {file}: {name} lies outside the file or has the wrong size "
+                                  "(truncated or corrupt safetensors file?)")
+        if not count:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        yield name, torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).view(shape)
+        if _GIVE_BACK is not None:  # a view still held reads the file again: never wrong, only slower
+            first_page = (base + start) // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(_GIVE_BACK, first_page, base + end - first_page)
+
+
+_GIVE_BACK = getattr(mmap, "MADV_DONTNEED", None)  # absent on Windows
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _model_key(name: str) -> str | None:

@@ -17,7 +17,7 @@ from minigpt.checkpoint import random_model, write_checkpoint
 from minigpt.config import ConfigError, GPT2Config
 from minigpt.model import GPT2, load_model
 from minigpt.tokenizer import gpt2_vocab_files
-from minigpt.weights import CheckpointError, resolve_checkpoint
+from minigpt.weights import CheckpointError, _mapped_safetensors, resolve_checkpoint
 
 from conftest import TINY, hf_model, write_hf_checkpoint
 
@@ -137,6 +137,28 @@ def test_writing_over_a_checkpoint_replaces_its_files(tmp_path):
     _logits_match(path)
     reloaded = load_file(path / "model.safetensors")["transformer.wte.weight"]
     assert torch.equal(reloaded, random_model(GPT2Config(**TINY), seed=5).wte.weight)
+
+
+def test_safetensors_are_read_as_safetensors_writes_them(tmp_path):
+    """minigpt's own reader of the format (one tensor of the file in memory at a time): every dtype,
+    odd sizes that leave later tensors unaligned, an empty tensor, the header's metadata skipped."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "half": torch.randn(3, 5, generator=generator).half(),
+        "float": torch.randn(7, 3, generator=generator),
+        "bf16": torch.randn(1, 9, generator=generator).bfloat16(),
+        "empty": torch.zeros(0, 4),
+        "flags": torch.rand(5, generator=generator) > 0.5,
+        "bytes": torch.randint(-128, 128, (3,), dtype=torch.int8, generator=generator),
+        "ids": torch.randint(0, 1 << 40, (4,), generator=generator),
+        "double": torch.randn(2, 2, generator=generator, dtype=torch.float64),
+    }
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    read = {name: tensor.clone() for name, tensor in _mapped_safetensors(tmp_path / "t.safetensors")}
+    want = load_file(tmp_path / "t.safetensors")
+    assert read.keys() == want.keys() == tensors.keys()
+    for name, tensor in want.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
 
 
 def test_truncated_weights_file(tmp_path, tiny_checkpoint):
