@@ -204,13 +204,17 @@ def _mapped_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views are writable
         (size,) = struct.unpack("<Q", mapped[:8])
         header = json.loads(mapped[8 : 8 + size])
-        entries = [(name, _SAFETENSORS_DTYPES[e["dtype"]], e["shape"], *e["data_offsets"])
+        entries = [(name, e["dtype"], e["shape"], math.prod(e["shape"]), *e["data_offsets"])
                    for name, e in header.items() if name != "__metadata__"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as err:
         raise CheckpointError(f"cannot read {file}: {err} (truncated or corrupt safetensors file?)") from None
+    unknown = sorted({kind for _, kind, *_ in entries} - set(_SAFETENSORS_DTYPES))
+    if unknown:
+        raise CheckpointError(f"{file}: tensors of dtype {', '.join(unknown)}, which minigpt does not read "
+                              f"(it reads {', '.join(_SAFETENSORS_DTYPES)})")
     base = 8 + size
-    for name, dtype, shape, start, end in entries:
-        count = math.prod(shape)
+    for name, kind, shape, count, start, end in entries:
+        dtype = _SAFETENSORS_DTYPES[kind]
         if not 0 <= start <= end or base + end > len(mapped) or end - start != count * dtype.itemsize:
             raise CheckpointError(f"cannot read {file}: {name} lies outside the file or has the wrong size "
                                   "(truncated or corrupt safetensors file?)")
@@ -218,7 +222,7 @@ def _mapped_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, torch.empty(shape, dtype=dtype)
             continue
         yield name, torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).view(shape)
-        if _GIVE_BACK is not None:  # a view still held reads the file again: never wrong, only slower
+        if _GIVE_BACK is not None:  # a view still held (never written) reads the file again: only slower
             first_page = (base + start) // mmap.PAGESIZE * mmap.PAGESIZE
             mapped.madvise(_GIVE_BACK, first_page, base + end - first_page)
 

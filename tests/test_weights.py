@@ -161,6 +161,22 @@ def test_safetensors_are_read_as_safetensors_writes_them(tmp_path):
         assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
 
 
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        ({"w": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, "F8_E4M3, which minigpt does not"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "w lies outside the file"),
+        ({"w": {"dtype": "F32", "shape": "four", "data_offsets": [0, 4]}}, "truncated or corrupt"),
+        ([1, 2], "truncated or corrupt"),
+    ],
+)
+def test_a_safetensors_header_minigpt_cannot_read_says_why(tmp_path, header, match):
+    encoded = json.dumps(header).encode()
+    (tmp_path / "w.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(4))
+    with pytest.raises(CheckpointError, match=match):
+        list(_mapped_safetensors(tmp_path / "w.safetensors"))
+
+
 def test_truncated_weights_file(tmp_path, tiny_checkpoint):
     path = _copy(tiny_checkpoint, tmp_path / "ckpt")
     data = (path / "model.safetensors").read_bytes()
