@@ -31,6 +31,7 @@ from minigpt.weights import resolve_device
 
 LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
 STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated
+DEATH_GRACE_S = 1.0  # a killed rank's sockets close before its exit can be seen: a failed step waits that long
 
 
 @dataclass
@@ -112,6 +113,8 @@ class TensorParallelRunner(ModelRunner):
             return super().run(inputs)
         except Exception as err:
             self._broken = f"a tensor-parallel step failed ({type(err).__name__}: {err})"
+            for worker in self.ranks.workers:
+                worker.process.join(DEATH_GRACE_S)
             self._check_ranks()  # name the rank that died, if one did
             raise RuntimeError(self._broken + "; close this LLM and start another") from err
 
