@@ -123,6 +123,20 @@ def test_steps_built_in_turn_or_side_by_side_serve_alike(tiny_checkpoint, built_
         path.name for path in entry.iterdir())  # packages and manifest only: no spec or log left behind
 
 
+def test_a_worker_unpickles_only_what_a_step_is_made_of(tmp_path):
+    """The worker loads its spec with weights_only=True, allowing minigpt's and torch's modules only."""
+    from minigpt.compile_worker import load_spec
+
+    spec = ProgramSpec("linear", torch.nn.Linear(4, 4), (torch.zeros(3, 4),), None)
+    torch.save(spec, tmp_path / "ok.spec")
+    loaded = load_spec(str(tmp_path / "ok.spec"))
+    assert loaded.name == "linear" and torch.equal(loaded.module.weight, spec.module.weight)
+    torch.save(ProgramSpec("evil", shutil.rmtree, (str(tmp_path),), None), tmp_path / "evil.spec")
+    with pytest.raises(ValueError, match="shutil.rmtree"):
+        load_spec(str(tmp_path / "evil.spec"))
+    assert tmp_path.exists()
+
+
 def test_a_step_that_fails_to_build_in_its_process_says_why(tmp_path):
     spec = ProgramSpec("broken", torch.nn.Linear(4, 4), (torch.zeros(3, 5),), None)  # 5 inputs into 4
     with pytest.raises(RuntimeError, match=r"compiling step broken failed: .*\S"):
