@@ -7,7 +7,8 @@
   token) scales keep a request's result independent of what else is in the batch. Faster than
   weight-only on the CPU at every batch size measured, at some accuracy cost (see tests).
   The products run through fbgemm on AVX2-only CPUs (`fbgemm_int8`), else through `torch._int_mm`,
-  eager and compiled alike.
+  eager and compiled alike, except in a compiled program of one row on the CPU (`one_row_products`:
+  the same integers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minigpt import fbgemm_int8
 from minigpt.engine_config import QUANTIZATIONS
@@ -71,6 +73,8 @@ class W8A8Linear(Int8Linear):
         quantized = torch.round(flat / row_scales)
         if self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
+        elif flat.device.type == "cpu" and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
+            products = one_row_products(quantized, self.weight)
         else:
             # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
             # torch's int8 matmul reads fastest (measured ~1.3-2x over a contiguous [in, out] copy).
@@ -79,6 +83,22 @@ class W8A8Linear(Int8Linear):
         if self.bias is not None:
             out.add_(self.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24
+
+
+def one_row_products(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row [1, K] of int8 values as floats, weight [N, K] int8 -> their products [1, N] as
+    `torch._int_mm(row, weight.t()).float()` gives them: exact integers, rounded to fp32 once.
+
+    A reduction the compiler fuses with the weight's conversion, which reads the weight faster than
+    `torch._int_mm` at one row; summed in fp32 over pieces of K short enough to be exact, then in int32."""
+    n, k = weight.shape
+    row = row.as_strided(row.shape, row.stride())  # a view the compiler stores: else it rounds the row per output
+    piece = max(size for size in range(1, EXACT_TERMS + 1) if k % size == 0)
+    pieces = (row.view(1, k // piece, piece) * weight.view(n, k // piece, piece).float()).sum(-1)
+    return pieces.to(torch.int32).sum(-1).float()[None]
 
 
 def round_to_int8(weight: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:

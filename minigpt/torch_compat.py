@@ -16,6 +16,7 @@ INTERNALS = (
     "torch._inductor.aoti_load_package",
     "torch._C._aoti.AOTIModelPackageLoader.boxed_run",  # a loaded package's `.loader`, called with flat inputs
     "torch._C._aoti.AOTIModelPackageLoader.get_call_spec",
+    "torch.fx.experimental.symbolic_shapes.statically_known_true",  # one-row products in programs of one row
 )
 
 
