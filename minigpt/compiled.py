@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
@@ -25,7 +26,7 @@ from minigpt.attention_backends import store_kv
 from minigpt.compile_cache import ProgramCache, ProgramSpec, build_environment
 from minigpt.engine_config import error_line
 from minigpt.kv_cache import KVPool
-from minigpt.model import GPT2, Block, attention_inputs, attention_outputs
+from minigpt.model import GPT2, Block, attention_inputs, attention_outputs, final_logits
 from minigpt.torch_compat import missing_internals
 
 logger = logging.getLogger("minigpt")
@@ -61,9 +62,11 @@ def decode_step(
     slot_mapping: torch.Tensor,
     scales: torch.Tensor,
     layer: Callable = decode_layer,
+    head: Callable = final_logits,
 ) -> torch.Tensor:
     """One token per sequence -> logits [B, vocab]; each layer's new K/V stored at `slot_mapping` once
-    that layer has attended. `layer`: `decode_layer`, or its compiled program (`LayerProgram`).
+    that layer has attended. `layer`: `decode_layer`, or its compiled program (`LayerProgram`); `head`:
+    `final_logits`, or its compiled program (`HeadProgram`).
 
     kv_pool: (n_layer, 2, blocks, block_size, H, D); scales: [n_layer] each layer's attention scale.
     A program that wrote into its input pool would copy the whole pool on every call: the program
@@ -73,7 +76,7 @@ def decode_step(
     for index, block in enumerate(model.h):
         x, new_kv = layer(block, x, kv_pool[index], block_tables, context_lens, scales[index])
         slots[index].index_copy_(1, slot_mapping, new_kv)
-    return model.head(x)
+    return head(model, x)
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
@@ -145,6 +148,25 @@ class LayerProgram:
         return self.program(*self.tensors[id(block)], *inputs)
 
 
+class HeadModules(nn.Module):
+    """What `final_logits` reads of a model (its final norm, LM head and dtype), as a module to export."""
+
+    def __init__(self, model: GPT2) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head, self.dtype = model.ln_f, model.lm_head, model.dtype
+
+
+class HeadProgram:
+    """A loaded program of `final_logits`, called as it is: `program(model, x)`."""
+
+    def __init__(self, package, model: GPT2) -> None:
+        self.program = FlatProgram(package)
+        self.tensors = tensors_of(HeadModules(model))
+
+    def __call__(self, model: GPT2, x: torch.Tensor) -> torch.Tensor:
+        return self.program(*self.tensors, x)
+
+
 class CompiledDecodeBackend:
     """The torch backend's decode attention as a compiled program (`attention.paged_decode`) reading the
     pages in place instead of copying them, for the eager steps of a compiled engine."""
@@ -204,6 +226,8 @@ class CompiledSteps:
                 f"AOTInductor needs (a C++ compiler on the CPU): {error_line(err)}"
             ) from err
         self.layer = LayerProgram(programs["layer"], model.h)
+        # one sequence: programs of a static batch of 1, whose linears may run one-row products
+        self.alone = (LayerProgram(programs["layer_alone"], model.h), HeadProgram(programs["head_alone"], model))
         self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
         self.decode_backend = CompiledDecodeBackend(pool, FlatProgram(programs["attend"]))
 
@@ -237,11 +261,18 @@ class CompiledSteps:
         y = torch.zeros_like(x, dtype=q.dtype)  # the attention's output, in the query's dtype
         block_tensors = tensors_of(block)
         weights = (None,) * len(block_tensors)
+        head = HeadModules(model)
+        head_tensors = tensors_of(head)
         # every program's inputs after the tensors are its `*inputs`: one tuple to export
         return [
             ProgramSpec("layer", TensorsAsInputs(decode_layer, block),
                         (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self._scales[0]),
                         (weights, ({0: batch}, {1: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
+            ProgramSpec("layer_alone", TensorsAsInputs(decode_layer, block),
+                        (block_tensors, x[:1], pool, tables[:1], lens[:1], self._scales[0]),
+                        (weights, (None, {1: blocks}, {1: pages}, None, None))),
+            ProgramSpec("head_alone", TensorsAsInputs(final_logits, head), (head_tensors, x[:1]),
+                        ((None,) * len(head_tensors), (None,))),
             ProgramSpec("before", TensorsAsInputs(attention_inputs, block), (block_tensors, x),
                         (weights, ({0: tokens},))),
             ProgramSpec("after", TensorsAsInputs(attention_outputs, block), (block_tensors, x, y),
@@ -260,5 +291,6 @@ class CompiledSteps:
     def __call__(self, inputs) -> torch.Tensor:
         """Logits of a step `covers` takes; the step's K/V land in the pool at its slots."""
         meta = inputs.meta
+        layer, head = self.alone if len(inputs.input_ids) == 1 else (self.layer, final_logits)
         return decode_step(self.model, inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
-                           meta.decode_context_lens, meta.slot_mapping, self._scales, self.layer)
+                           meta.decode_context_lens, meta.slot_mapping, self._scales, layer, head)

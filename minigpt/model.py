@@ -74,6 +74,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x).to(self.dtype))
 
 
+def final_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`GPT2.head` of a GPT2, or of a module holding its `ln_f`, `lm_head` and `dtype` (a compiled head's)."""
+    return model.lm_head(model.ln_f(x).to(model.dtype))
+
+
 def attention_inputs(block: Block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block up to its attention: residual stream (N, C) -> q, k, v (N, nh, hs)."""
     return block.attn.qkv(block.ln_1(x).to(block.dtype))
@@ -180,7 +185,7 @@ class GPT2(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final layernorm and LM head: residual stream -> logits."""
-        return self.lm_head(self.ln_f(x).to(self.dtype))
+        return final_logits(self, x)
 
     def _check_ranges(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):

@@ -10,7 +10,7 @@ import torch
 
 from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
-from minigpt.quantize import Int8Linear, W8A8Linear, quantize, round_to_int8
+from minigpt.quantize import Int8Linear, W8A8Linear, one_row_products, quantize, round_to_int8
 
 from conftest import write_hf_checkpoint
 
@@ -30,6 +30,22 @@ def test_int8_linear_matches_dequantized_weights(in_features):
     assert (dequantized - linear.weight).abs().max() <= q.scales.max() / 2 + 1e-7  # rounding error bound
     expected = x @ dequantized.t() + linear.bias
     torch.testing.assert_close(q(x), expected, rtol=2e-2, atol=2e-2)  # activations pass through bf16
+
+
+@pytest.mark.parametrize("in_features", [64, 768, 1040, 1600, 3072, 6400, 1031])
+def test_one_row_products_are_the_exact_integer_products(in_features):
+    """Near the extremes (sums far past 2**24, where a plain fp32 sum rounds: rows 0 and 1 against the
+    row of 127s) and on random int8 values, for sizes of one piece, of several, and prime:
+    torch._int_mm's integers as fp32 (what W8A8Linear makes of them), exactly."""
+    torch.manual_seed(in_features)
+    weight = torch.randint(-127, 128, (24, in_features), dtype=torch.int8)
+    weight[0], weight[1] = 127, torch.randint(100, 128, (in_features,), dtype=torch.int8)
+    rows = [torch.full((1, in_features), 127.0), torch.randint(-127, 128, (1, in_features)).float()]
+    for row in rows:
+        want = torch._int_mm(row.to(torch.int8), weight.t())
+        got = one_row_products(row, weight)
+        assert torch.equal(got, want.float())
+    assert int(one_row_products(rows[0], weight)[0, 0]) == 127 * 127 * in_features  # even: fp32 holds it
 
 
 def test_round_to_int8_rounds_each_row_whatever_the_chunks():
@@ -132,13 +148,21 @@ def test_unknown_quantization():
 @pytest.mark.slow
 def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
     """The compiled programs run the same int8 x int8 products as eager, over the model's own int8
-    weights: the same tokens, batched and alone; nothing holds the weights after the engine goes."""
+    weights: the same tokens, batched and alone (through the programs of one sequence, whose products
+    are `one_row_products`); nothing holds the weights after the engine goes."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(str(tiny_checkpoint), quantize="w8a8") as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM(str(tiny_checkpoint), quantize="w8a8", compile=True) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        compiled, calls = llm.engine.runner.compiled, []
+        layer, head = compiled.alone
+        compiled.alone = (lambda *a: calls.append("layer") or layer(*a), lambda *a: calls.append("head") or head(*a))
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
+        n_layer = llm.engine.runner.model.config.n_layer
+        assert calls.count("head") == len(PROMPTS) * (params.max_tokens - 1)  # every decode step alone
+        assert calls.count("layer") == n_layer * calls.count("head")
+        del compiled, layer, head
         weight = weakref.ref(llm.engine.runner.model.h[0].mlp.c_fc.weight)
     del llm
     gc.collect()
