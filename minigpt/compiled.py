@@ -6,6 +6,9 @@ program serves every layer, so a program costs as much to build for gpt2-xl's 48
 - `decode_layer`: a block's whole decode, one token per sequence, any batch: its attention reads the
   layer's pages and never writes them; it returns the tokens' new K/V, which `decode_step` stores
   after the call. `decode_step` runs the layers, the embedding and the head around it.
+- A decode step of one sequence runs `decode_layer` and the head (`model.final_logits`) as programs
+  of a batch of exactly one, where a linear may take a product made for one row
+  (`quantize.one_row_products`).
 - Every other step (prompts, prompts beside decodes, verification of drafts) runs the model's layer
   loop eagerly, around one program for each block's half before and after attention and one for the
   decodes' attention."""

@@ -155,14 +155,18 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM(str(tiny_checkpoint), quantize="w8a8", compile=True) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
-        compiled, calls = llm.engine.runner.compiled, []
-        layer, head = compiled.alone
-        compiled.alone = (lambda *a: calls.append("layer") or layer(*a), lambda *a: calls.append("head") or head(*a))
+        calls = []
+
+        def counted(program, name):
+            return lambda *inputs: calls.append(name) or program(*inputs)
+
+        compiled = llm.engine.runner.compiled
+        compiled.alone = tuple(map(counted, compiled.alone, ("layer", "head")))
+        del compiled
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
         n_layer = llm.engine.runner.model.config.n_layer
         assert calls.count("head") == len(PROMPTS) * (params.max_tokens - 1)  # every decode step alone
         assert calls.count("layer") == n_layer * calls.count("head")
-        del compiled, layer, head
         weight = weakref.ref(llm.engine.runner.model.h[0].mlp.c_fc.weight)
     del llm
     gc.collect()
