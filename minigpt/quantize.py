@@ -7,8 +7,8 @@
   token) scales keep a request's result independent of what else is in the batch. Faster than
   weight-only on the CPU at every batch size measured, at some accuracy cost (see tests).
   The products run through fbgemm on AVX2-only CPUs (`fbgemm_int8`), else through `torch._int_mm`,
-  eager and compiled alike, except in a compiled program of one row on the CPU (`one_row_products`:
-  the same integers).
+  eager and compiled alike, except in a compiled program of one row on the CPU, where weights of up to
+  `ONE_ROW_MAX_INPUTS` inputs take `one_row_products` (the same integers).
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from minigpt import fbgemm_int8
 from minigpt.engine_config import QUANTIZATIONS
 from minigpt.model import replace_linears
+
+EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24
+# Inputs up to which a compiled program of one row takes `one_row_products` over `torch._int_mm`: faster
+# with 3072 and 4096 (gpt2's and gpt2-medium's MLP projections), slower with 6400 (gpt2-xl's)
+ONE_ROW_MAX_INPUTS = 4096
 
 
 class Int8Linear(nn.Module):
@@ -64,6 +69,7 @@ class W8A8Linear(Int8Linear):
         super().__init__(linear)
         self.fbgemm = fbgemm_int8.available(self.weight.device)
         self.levels = fbgemm_int8.ACTIVATION_LEVELS if self.fbgemm else 127
+        self.reduce_one_row = self.weight.device.type == "cpu" and self.in_features <= ONE_ROW_MAX_INPUTS
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
 
@@ -73,7 +79,7 @@ class W8A8Linear(Int8Linear):
         quantized = torch.round(flat / row_scales)
         if self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
-        elif flat.device.type == "cpu" and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
+        elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
             products = one_row_products(quantized, self.weight)
         else:
             # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
@@ -85,15 +91,13 @@ class W8A8Linear(Int8Linear):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24
-
-
 def one_row_products(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """row [1, K] of int8 values as floats, weight [N, K] int8 -> their products [1, N] as
     `torch._int_mm(row, weight.t()).float()` gives them: exact integers, rounded to fp32 once.
 
     A reduction the compiler fuses with the weight's conversion, which reads the weight faster than
-    `torch._int_mm` at one row; summed in fp32 over pieces of K short enough to be exact, then in int32."""
+    `torch._int_mm` at one row (up to `ONE_ROW_MAX_INPUTS`); summed in fp32 over pieces of K short enough
+    to be exact, then in int32."""
     n, k = weight.shape
     row = row.as_strided(row.shape, row.stride())  # a view the compiler stores: else it rounds the row per output
     piece = max(size for size in range(1, EXACT_TERMS + 1) if k % size == 0)

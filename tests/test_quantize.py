@@ -10,7 +10,7 @@ import torch
 
 from minigpt import LLM, SamplingParams, fbgemm_int8
 from minigpt.model import GPT2
-from minigpt.quantize import Int8Linear, W8A8Linear, one_row_products, quantize, round_to_int8
+from minigpt.quantize import ONE_ROW_MAX_INPUTS, Int8Linear, W8A8Linear, one_row_products, quantize, round_to_int8
 
 from conftest import write_hf_checkpoint
 
@@ -46,6 +46,13 @@ def test_one_row_products_are_the_exact_integer_products(in_features):
         got = one_row_products(row, weight)
         assert torch.equal(got, want.float())
     assert int(one_row_products(rows[0], weight)[0, 0]) == 127 * 127 * in_features  # even: fp32 holds it
+
+
+def test_one_row_products_only_up_to_their_width():
+    """A compiled program of one row reduces weights of up to ONE_ROW_MAX_INPUTS inputs (faster there),
+    and multiplies wider ones with torch._int_mm (faster for gpt2-xl's 6400)."""
+    assert W8A8Linear(torch.nn.Linear(ONE_ROW_MAX_INPUTS, 8)).reduce_one_row
+    assert not W8A8Linear(torch.nn.Linear(6400, 8)).reduce_one_row
 
 
 def test_round_to_int8_rounds_each_row_whatever_the_chunks():
