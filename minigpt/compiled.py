@@ -160,11 +160,11 @@ class HeadModules(nn.Module):
 
 
 class HeadProgram:
-    """A loaded program of `final_logits`, called as it is: `program(model, x)`."""
+    """A loaded program of `final_logits` exported over `head`, called as the function is: `program(model, x)`."""
 
-    def __init__(self, package, model: GPT2) -> None:
+    def __init__(self, package, head: HeadModules) -> None:
         self.program = FlatProgram(package)
-        self.tensors = tensors_of(HeadModules(model))
+        self.tensors = tensors_of(head)
 
     def __call__(self, model: GPT2, x: torch.Tensor) -> torch.Tensor:
         return self.program(*self.tensors, x)
@@ -219,6 +219,7 @@ class CompiledSteps:
                                f"{', '.join(missing)}")
         self.model, self.pool = model, pool  # the pool, not its tensor: the runner's close() frees that
         self._scales = attention_scales(model)
+        self._head = HeadModules(model)  # what the head's program is exported over and then called with
         description = self.description()
         self.cache_entry = cache.entry(description)
         try:
@@ -230,7 +231,7 @@ class CompiledSteps:
             ) from err
         self.layer = LayerProgram(programs["layer"], model.h)
         # one sequence: programs of a static batch of 1, whose linears may run one-row products
-        self.alone = (LayerProgram(programs["layer_alone"], model.h), HeadProgram(programs["head_alone"], model))
+        self.alone = (LayerProgram(programs["layer_alone"], model.h), HeadProgram(programs["head_alone"], self._head))
         self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
         self.decode_backend = CompiledDecodeBackend(pool, FlatProgram(programs["attend"]))
 
@@ -264,8 +265,7 @@ class CompiledSteps:
         y = torch.zeros_like(x, dtype=q.dtype)  # the attention's output, in the query's dtype
         block_tensors = tensors_of(block)
         weights = (None,) * len(block_tensors)
-        head = HeadModules(model)
-        head_tensors = tensors_of(head)
+        head_tensors = tensors_of(self._head)
         # every program's inputs after the tensors are its `*inputs`: one tuple to export
         return [
             ProgramSpec("layer", TensorsAsInputs(decode_layer, block),
@@ -274,7 +274,7 @@ class CompiledSteps:
             ProgramSpec("layer_alone", TensorsAsInputs(decode_layer, block),
                         (block_tensors, x[:1], pool, tables[:1], lens[:1], self._scales[0]),
                         (weights, (None, {1: blocks}, {1: pages}, None, None))),
-            ProgramSpec("head_alone", TensorsAsInputs(final_logits, head), (head_tensors, x[:1]),
+            ProgramSpec("head_alone", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:1]),
                         ((None,) * len(head_tensors), (None,))),
             ProgramSpec("before", TensorsAsInputs(attention_inputs, block), (block_tensors, x),
                         (weights, ({0: tokens},))),
