@@ -6,7 +6,10 @@ minigpt's own source, the torch build, the CPU and its threads, the model's conf
 Never the weights: the programs take them as inputs (`compiled.TensorsAsInputs`), so one entry serves
 every checkpoint of a shape and the weights are held once. An entry is written under a temporary name
 and renamed when complete; its manifest records the key and each package's SHA-256, all checked
-before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run.
+before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run. A load marks
+its entry used (the manifest's time); a build deletes the entries no engine has loaded for
+`UNUSED_DAYS` days (those of an older minigpt or torch, mostly) and the leftovers of builds killed
+half way.
 
 A first start builds the steps side by side, each in a process of its own (`minigpt.compile_worker`),
 as many at once as the CPU has cores: a build is mostly one thread of Python, then one of the C++
@@ -44,6 +47,9 @@ FORMAT = 1  # the layout of an entry; a change renames every entry
 # inductor's generated code checks every input's size and strides on each call, nearly all of them
 # weights whose shapes the entry's key fixes
 PACKAGE_OPTIONS = {"size_asserts": False}
+UNUSED_DAYS = 30  # an entry no engine loaded for this long is deleted by the next build
+BUILDING = ".building-"  # in the name of a folder an entry is being built in
+ABANDONED_HOURS = 24  # a build folder this old belongs to a build that was killed
 
 
 def default_cache_dir() -> Path:
@@ -137,9 +143,30 @@ class ProgramCache:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 logger.info("loaded the compiled steps from %s in %.2f s", entry, time.perf_counter() - start)
+                _mark_used(entry)
                 return programs
         self._build(entry, description, specs())
+        self.prune(keep=entry)
         return self._load_entry(entry, description)
+
+    def prune(self, keep: Path) -> None:
+        """Delete the entries unused for `UNUSED_DAYS` days and the folders of killed builds, `keep` aside."""
+        now, freed, removed = time.time(), 0, []
+        for path in self.root.iterdir() if self.root.is_dir() else ():
+            building = BUILDING in path.name
+            try:  # another process may be pruning the same folder
+                last_used = (path if building else path / MANIFEST).stat().st_mtime
+                if path == keep or now - last_used < (ABANDONED_HOURS * 3600 if building else UNUSED_DAYS * 86400):
+                    continue
+                size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+            except OSError:
+                continue  # gone, or not an entry of ours (no manifest)
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                freed, removed = freed + size, removed + [path.name]
+        if removed:
+            logger.info("deleted %d compile cache folders unused for %d days or left by killed builds (%.0f MB): %s",
+                        len(removed), UNUSED_DAYS, freed / 1e6, ", ".join(removed))
 
     def _load_entry(self, entry: Path, description: dict) -> dict[str, Callable]:
         from torch._inductor import aoti_load_package
@@ -171,7 +198,7 @@ class ProgramCache:
         workers = build_workers(specs)
         announce(logger, "compiling %d steps for this model shape and mode (%d at a time), once: later starts "
                  "load them from %s", len(specs), workers, self.root)
-        building = Path(tempfile.mkdtemp(prefix=f"{entry.name}.building-", dir=self.root))
+        building = Path(tempfile.mkdtemp(prefix=f"{entry.name}{BUILDING}", dir=self.root))
         try:
             build = _build_one_by_one if workers == 1 else _build_side_by_side
             files = build(specs, building, workers)
@@ -183,6 +210,15 @@ class ProgramCache:
         finally:
             shutil.rmtree(building, ignore_errors=True)
         announce(logger, "compiled in %.0f s", time.perf_counter() - start)
+
+
+def _mark_used(entry: Path) -> None:
+    """Record that `entry` was loaded now, so `ProgramCache.prune` keeps it (a read-only cache keeps
+    its entries' build times)."""
+    try:
+        os.utime(entry / MANIFEST)
+    except OSError:
+        pass
 
 
 def build_workers(specs: list[ProgramSpec]) -> int:

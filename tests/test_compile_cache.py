@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import time
 from unittest import mock
 
 import pytest
@@ -179,3 +181,37 @@ def test_precompile_refuses_a_bad_flag_in_one_line(tiny_checkpoint, capsys):
         main(["--model", str(tiny_checkpoint), "--block-size", "many"])
     assert exit_.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _folder(root, name, age_days, manifest=True):
+    path = root / name
+    path.mkdir()
+    stamped = path / MANIFEST if manifest else path
+    if manifest:
+        stamped.write_text("{}")
+    (path / "layer.pt2").write_bytes(b"0" * 1000)
+    old = time.time() - age_days * 86400
+    os.utime(stamped, (old, old))
+    return path
+
+
+def test_a_build_deletes_entries_long_unused_and_folders_of_killed_builds(tmp_path, caplog):
+    days = compile_cache.UNUSED_DAYS
+    keep = _folder(tmp_path, "a" * 32, days + 5)  # the entry just built
+    kept = [keep, _folder(tmp_path, "b" * 32, days - 1), _folder(tmp_path, "mine", days + 5, manifest=False),
+            _folder(tmp_path, "c" * 32 + compile_cache.BUILDING + "x", 0.5, manifest=False)]
+    deleted = [_folder(tmp_path, "d" * 32, days + 1),
+               _folder(tmp_path, "e" * 32 + compile_cache.BUILDING + "y", 2, manifest=False)]
+    (tmp_path / "notes.txt").write_text("not a folder")
+    with caplog.at_level(logging.INFO, logger="minigpt"):
+        ProgramCache(tmp_path).prune(keep=keep)
+    assert all(path.exists() for path in kept) and not any(path.exists() for path in deleted)
+    assert "deleted 2 compile cache folders" in caplog.text and (tmp_path / "notes.txt").exists()
+    ProgramCache(tmp_path / "never made").prune(keep=keep)
+
+
+def test_a_load_marks_its_entry_used(tmp_path):
+    entry = _folder(tmp_path, entry_key({}), compile_cache.UNUSED_DAYS + 1)
+    with mock.patch.object(ProgramCache, "_load_entry", return_value={}):
+        ProgramCache(tmp_path).load({}, specs=lambda: pytest.fail("built"))
+    assert time.time() - (entry / MANIFEST).stat().st_mtime < 3600
