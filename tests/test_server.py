@@ -180,6 +180,21 @@ def test_stream_joins_to_generate_output(served, reference):
     assert usage.completion_tokens == sum(len(w.token_ids) for w in wants)
 
 
+def streamed_chunks(url: str, body: dict) -> list[dict]:
+    """The JSON chunks of a raw streaming response (not [DONE])."""
+    with httpx.stream("POST", url, json=body) as response:
+        return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_with_include_usage_every_chunk_carries_usage_null_until_the_last(served):
+    body = {"prompt": ["Hi", "Ho"], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = streamed_chunks(f"{served.url}/v1/completions", body)
+    assert [chunk["usage"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["choices"] == []
+    assert all("usage" not in chunk for chunk in streamed_chunks(f"{served.url}/v1/completions",
+                                                                 {**body, "stream_options": None}))
+
+
 def test_raw_stream_ends_with_done(served):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": True, "echo": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body) as response:
@@ -292,6 +307,11 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({}, 400, "prompt", "required"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     ({"prompt": "hi", "max_token": 5}, 400, "max_token", "unknown field"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "every": 1}}, 400, "stream_options",
+     "unknown field 'stream_options.every'"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400,
+     "response_format", "response_format.json_schema.name is required"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop", "stop: Input should be a valid string or a valid list"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "hi", "n": 129}, 400, "n", "n must be at most 128"),
@@ -343,6 +363,12 @@ def test_a_body_not_sent_as_json_is_told_so(served, content_type):
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "Content-Type: application/json" in message and content_type in message
+
+
+def test_a_json_body_sent_without_content_type_is_told_to_name_it(served):
+    response = httpx.post(f"{served.url}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}')
+    assert response.status_code == 400
+    assert "Content-Type: application/json (the request had none)" in response.json()["error"]["message"]
 
 
 def test_openai_client_sees_errors(served):
@@ -412,6 +438,15 @@ def test_full_queue_answers_503_at_once(tight, monkeypatch):
         gate.release()
         sender.join()
     assert first[0].status_code == 200
+    wait_idle(tight.llm)
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(tight):
+    """max_waiting=1: two prompts can never wait together, so a 503 (retry later) would loop forever."""
+    response = httpx.post(f"{tight.url}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt" and "max_waiting" in response.json()["error"]["message"]
+    assert httpx.post(f"{tight.url}/v1/completions", json={"prompt": ["a"], "max_tokens": 2}).status_code == 200
     wait_idle(tight.llm)
 
 

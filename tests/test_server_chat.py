@@ -10,7 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_server import MODEL, N_POSITIONS, Served, generate, run_server, wait_idle
+from test_server import MODEL, N_POSITIONS, Served, generate, run_server, streamed_chunks, wait_idle
 
 from minigpt import LLM, AsyncLLM
 from minigpt.server.app import build_app
@@ -168,6 +168,15 @@ def test_streamed_chat_joins_to_the_same_text(served, reference):
     wait_idle(served.llm)
 
 
+def test_streamed_chat_with_include_usage_carries_usage_null_until_the_last(served):
+    body = {"messages": MESSAGES, "max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    chunks = streamed_chunks(f"{served.url}/v1/chat/completions", body)
+    assert [chunk["usage"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["choices"] == []
+    wait_idle(served.llm)
+
+
 def test_n_logprobs_and_stop(served, reference):
     prompt = rendered_ids(reference, MESSAGES)
     response = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=3,
@@ -212,8 +221,15 @@ def test_streamed_choices_and_logprobs_join_to_the_unstreamed_ones(served):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1}, "max_tokens",
      "not both"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature", "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, "prompt", "context"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages", "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, "prompt",
+     "max_completion_tokens=5000 exceeds the model's context"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages", "messages[0].content: Input should be a valid string"
+     " or a valid list"),
+    ({"messages": [{"content": "x"}]}, "messages", "messages[0].role is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages", "messages[0].content[0].text is"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens must be"),
+    ({"messages": [{"role": "user", "content": " hi" * 1100}]}, "messages", "leaves no room in the model's context"),
 ])
 def test_bad_chat_requests_get_openai_errors(served, body, param, says):
     import httpx

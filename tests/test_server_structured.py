@@ -97,6 +97,7 @@ def test_bad_constraints_are_400_naming_the_field(served, fields, param):
     assert out.status_code == 400, out.text
     error = out.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert "StructuredOutputsParams" not in error["message"]  # the class behind the field is not the client's
 
 
 def test_openapi_schema_describes_the_fields(served):

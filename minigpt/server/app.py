@@ -25,7 +25,7 @@ from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
-from minigpt.server.errors import APIError, check_model, install_handlers
+from minigpt.server.errors import APIError, check_model, install_handlers, invalid
 from minigpt.server.middleware import BearerAuth, BodySizeLimit
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
@@ -119,6 +119,9 @@ class CompletionServer:
                structured_param: str = "structured_outputs") -> list[RequestHandle]:
         """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
         handles: list[RequestHandle] = []
+        if len(prompts) > self.llm.config.max_waiting:  # a 503 would tell the client to retry in vain
+            raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
+                                   f"{self.llm.config.max_waiting} (max_waiting)", "prompt")
         submit = self.llm.submit_beam_search if isinstance(params, BeamSearchParams) else self.llm.submit
         try:
             for prompt in prompts:
@@ -155,6 +158,8 @@ class CompletionServer:
         """Server-sent events: one chunk per delta of any choice (its text, and with logprobs those of its
         tokens, even while their text is held back), then usage if asked, then [DONE]."""
         header = self._header()  # every chunk of a completion shares its id and created time
+        if include_usage:  # OpenAI: every chunk carries usage, null until the last
+            header["usage"] = None
         n, tokenizer = params.n, self.llm.tokenizer
         writers: dict[int, protocol.LogprobsWriter] = {}  # by choice index, when logprobs are asked for
         try:

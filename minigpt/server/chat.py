@@ -107,11 +107,20 @@ class ChatServer:
         prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
         if not prompt:
             raise invalid("the chat template rendered the messages as an empty prompt", "messages")
-        context_left = server.llm.engine.model_config.n_positions - len(prompt)
-        completion = body.completion(prompt, context_left)
-        params = completion.sampling_params()
-        completion.prompts()  # the request-size checks of /v1/completions
-        handles = server.submit([prompt], params, completion.structured_param)
+        context = server.llm.engine.model_config.n_positions
+        if len(prompt) >= context and body.max_tokens is None and body.max_completion_tokens is None:
+            raise invalid(f"the messages make a prompt of {len(prompt)} tokens, which leaves no room in the model's "
+                          f"context of {context} tokens", "messages")
+        completion = body.completion(prompt, context - len(prompt))
+        try:
+            params = completion.sampling_params()
+            completion.prompts()  # the request-size checks of /v1/completions
+            handles = server.submit([prompt], params, completion.structured_param)
+        except APIError as err:
+            if body.max_completion_tokens is not None:  # the request's name for what completions call max_tokens
+                err.message = err.message.replace("max_tokens", "max_completion_tokens")
+                err.param = "max_completion_tokens" if err.param == "max_tokens" else err.param
+            raise
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -137,6 +146,8 @@ class ChatServer:
         """OpenAI's chunks: each choice's role first, then its content deltas (with their logprobs), the last
         with its finish_reason; then usage if asked, then [DONE]."""
         header = self._header("chat.completion.chunk")
+        if include_usage:  # OpenAI: every chunk carries usage, null until the last
+            header["usage"] = None
         tokenizer = self.completions.llm.tokenizer
         try:
             for index in range(n):

@@ -51,26 +51,45 @@ def check_model(model: str | None, served: str) -> None:
 
 
 def validation_error(err: RequestValidationError, content_type: str | None = None) -> APIError:
-    """The first pydantic error as a 400 naming the field: malformed JSON, wrong types, unknown fields.
-    `content_type`: the request's; a body sent as something else (curl -d's form encoding) is not read as JSON."""
-    first = err.errors()[0]
-    kind, loc = first["type"], [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
+    """A pydantic error as a 400 naming the field by its whole path (`param`: the top-level field):
+    malformed JSON, wrong types, unknown fields. `content_type`: the request's; a body sent as
+    something else (curl -d's form encoding), or with none, is not read as JSON."""
+    errors = err.errors()
+    locs = [error["loc"][1:] for error in errors]  # loc[0] is "body"
+    deepest = max(errors, key=lambda error: len(error["loc"]))  # the union member the value came closest to
+    kind, loc = deepest["type"], _field_path(deepest["loc"][1:], locs)
     if kind == "json_invalid":
-        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    if not loc and content_type is not None and "json" not in content_type.lower():
-        return invalid(f"the request body must be JSON, sent with Content-Type: application/json (not {content_type})")
+        return invalid(f"the request body is not valid JSON: {deepest.get('ctx', {}).get('error', deepest['msg'])}")
+    if not loc and (content_type is None or "json" not in content_type.lower()):
+        sent = f"not {content_type}" if content_type is not None else "the request had none"
+        return invalid(f"the request body must be JSON, sent with Content-Type: application/json ({sent})")
     if not loc:
         return invalid("the request body must be a JSON object")
-    param = loc[0]
+    param, where = str(loc[0]), "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)[1:]
     if kind == "extra_forbidden":
-        return invalid(f"unknown field {param!r}", param)
+        return invalid(f"unknown field {where!r}", param)
     if kind == "missing":
-        return invalid(f"{param} is required", param)
+        return invalid(f"{where} is required", param)
     if param == "prompt" and len(loc) > 1:  # one of the completions prompt's forms (/tokenize takes text)
         return invalid("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
                        param)
-    where = ".".join(loc)
-    return invalid(f"{where}: {first['msg']}", param)
+    # a value no member of a union takes: what each member wanted ("a valid string or a valid list")
+    wanted = [error["msg"] for error in errors
+              if len(error["loc"]) == len(deepest["loc"]) and _field_path(error["loc"][1:], locs) == loc]
+    return invalid(f"{where}: " + " or ".join(dict.fromkeys(
+        [wanted[0], *(message.removeprefix("Input should be ") for message in wanted[1:])])), param)
+
+
+def _field_path(loc: tuple, others: list[tuple]) -> list:
+    """`loc` without pydantic's names of union members (where `loc` and another error's part ways on a
+    name) and of a dict's keys ("[key]": the key before it is what failed)."""
+    path = []
+    for index, part in enumerate(loc):
+        member = isinstance(part, str) and any(
+            other[:index] == loc[:index] and len(other) > index and other[index] != part for other in others)
+        if not member and part != "[key]":
+            path.append(part)
+    return path
 
 
 def install_handlers(app: FastAPI) -> None:
