@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
@@ -114,6 +115,15 @@ USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
 def error_line(err: BaseException) -> str:
     """The first line of an error's message (its type when it has none)."""
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def flag_error_line(err: BaseException, renames: dict[str, str] | None = None) -> str:
+    """`error_line(err)` in a command line's words: an engine field it names ("num_threads must be ...",
+    "max_tokens=...") named by its flag, and so is each field of `renames` (field -> flag)."""
+    names = {setting.name: flag for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None}
+    names.update(renames or {})
+    pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)"
+    return re.sub(pattern, lambda match: names[match[1]], error_line(err))
 
 
 def _flag(setting: Field) -> str | None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
+import signal
 import sys
 
 from minigpt.beam_params import BeamSearchOutput, BeamSearchParams
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
 from minigpt.request import RequestOutput
@@ -71,10 +73,13 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], list[int] | None]
         text = sys.stdin.read()
     else:
         try:
-            with open(args.prompts_file, encoding="utf-8") as handle:
+            with open(args.prompts_file, encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is no prompt text
                 text = handle.read()
         except OSError as err:
             raise ValueError(f"cannot read --prompts-file: {err.strerror}: {args.prompts_file}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--prompts-file {args.prompts_file} is not UTF-8 text (byte {err.start}: "
+                             f"{err.reason})") from None
     # Lines end at \n (or \r\n) only: str.splitlines() would also split a prompt at U+2028, form feeds, ...
     lines = [(number, line.removesuffix("\r")) for number, line in enumerate(text.split("\n"), 1)]
     numbered = [(number, line) for number, line in lines if line.strip()]
@@ -157,13 +162,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int] | None):
-    """complete(), with a refused "prompt i: ..." named by the line of the file it came from."""
+    """complete(), with a refused "prompt i: ..." named by the line of the file it came from (no prefix for
+    the one --prompt)."""
     try:
         return complete()
     except ValueError as err:
         refused = re.match(r"prompt (\d+): ", str(err))
-        if refused is None or line_numbers is None:
+        if refused is None:
             raise
+        if line_numbers is None:  # the one --prompt
+            raise ValueError(str(err)[refused.end() :]) from None
         where = f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
         raise ValueError(where + str(err)[refused.end() :]) from None
 
@@ -176,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        return 128 + signal.SIGPIPE
     except USER_ERRORS as err:
-        print(f"minigpt.generate: error: {error_line(err)}", file=sys.stderr)
+        flags = {field: f"--{dest.replace('_', '-')}" for dest, field in SAMPLING_FLAGS.items()}
+        print(f"minigpt.generate: error: {flag_error_line(err, flags)}", file=sys.stderr)
         return 2
     return 0
 

@@ -15,13 +15,13 @@ import logging
 import sys
 import time
 
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m minigpt.precompile", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m minigpt.precompile", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except USER_ERRORS as err:
-        print(f"minigpt.precompile: error: {error_line(err)}", file=sys.stderr)
+        print(f"minigpt.precompile: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
     print(entry)
     logging.getLogger("minigpt").info("ready in %.1f s", time.perf_counter() - start)

@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, error_line
+from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.progress import log_to_stderr
 from minigpt.weights import resolve_checkpoint
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
         llm = AsyncLLM(args.model, **engine_args_from(args))
     except USER_ERRORS as err:
-        print(f"minigpt.serve: error: {error_line(err)}", file=sys.stderr)
+        print(f"minigpt.serve: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
     try:
         app = build_app(llm, args.served_model_name or args.model, args.api_key,

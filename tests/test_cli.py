@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -50,7 +51,9 @@ def test_prompts_file_json(tiny_checkpoint, tmp_path, capsys):
     [
         (["--model", "/no/such/dir"], "no checkpoint directory"),
         (["--prompt", ""], "prompt is empty"),
-        (["--prompt", "hi", "--max-new-tokens", "500"], "exceeds the model's context"),
+        (["--prompt", "hi", "--max-new-tokens", "500"], "+ --max-new-tokens=500 exceeds the model's context"),
+        (["--prompt", "hi", "--max-new-tokens", "500", "--beam-width", "2"], "error: prompt of"),  # no "prompt 0:"
+        (["--prompt", "hi", "--threads", "0"], "--threads must be a positive integer"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1, got 0"),
         (["--top-p", "0"], "--top-p must be"),
         (["--top-p", "1.5"], "--top-p must be a finite number in (0, 1], got 1.5"),
@@ -70,6 +73,28 @@ def test_bad_input_is_one_clear_line(tiny_checkpoint, capsys, args, message):
     assert captured.out == ""
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
+
+
+def test_a_prompts_file_may_start_with_a_byte_order_mark_and_must_be_utf8(tiny_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n", encoding="utf-8-sig")
+    assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--json", "--quiet",
+                 "--max-new-tokens", "2"]) == 0
+    assert [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()] == ["first", "second"]
+    prompts.write_bytes(b"caf\xe9\n")  # latin-1
+    assert main(["--model", str(tiny_checkpoint), "--prompts-file", str(prompts), "--quiet"]) == 2
+    assert f"--prompts-file {prompts} is not UTF-8 text (byte 3" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(tiny_checkpoint):
+    """`... | head -c 5`: the writes after the reader left end the command as SIGPIPE would, no error line."""
+    process = subprocess.Popen([sys.executable, "-m", "minigpt.generate", "--model", str(tiny_checkpoint), "--quiet",
+                                "--prompt", "Hello", "--max-new-tokens", "8"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # gone before the first write
+    assert process.wait() == 128 + signal.SIGPIPE
+    assert process.stderr.read() == ""
+    process.stderr.close()
 
 
 def test_a_refused_prompt_is_named_by_its_line(tiny_checkpoint, tmp_path, capsys):
