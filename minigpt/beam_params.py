@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from minigpt.sampling.params import _is_real, is_int
 
+# Beyond it the candidates a search ranks (beam_width x 2 x beam_width logprobs and ids a step, kept
+# until every beam has its own) take gigabytes
+MAX_BEAM_WIDTH = 1024
+
 
 def _bad(field: str, value: object, expected: str) -> ValueError:
     return ValueError(f"BeamSearchParams.{field} must be {expected}, got {value!r}")
@@ -34,6 +38,8 @@ class BeamSearchParams:
             if not is_int(value) or value < 1:
                 raise _bad(name, value, "an int >= 1")
             setattr(self, name, int(value))
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise _bad("beam_width", self.beam_width, f"at most {MAX_BEAM_WIDTH}")
         if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise _bad("length_penalty", self.length_penalty, "a finite number")
         self.length_penalty = float(self.length_penalty)

@@ -83,16 +83,18 @@ class Engine:
         params = replace(params)  # checked again (a field set after construction) and the request's own copy
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray))
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             text, ids = None, list(prompt)
         else:
-            raise TypeError("a prompt must be a string or a list of token ids as Python ints (arrays: .tolist())")
+            raise TypeError("a prompt must be a string or a list of token ids as Python ints (arrays: .tolist(), "
+                            "bytes: .decode())")
         if not ids:
             raise ValueError("prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_limit]
         if bad:  # text too: a tokenizer may know more ids than the model has rows
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_limit})")
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_limit]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
@@ -138,7 +140,13 @@ class Engine:
         params = replace(params)
         # each beam runs as a sequence that never stops by itself: the group decides where beams end
         request = self.make_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
-        return BeamGroup(request, params, self.eos_token_ids, self.tokenizer)
+        group = BeamGroup(request, params, self.eos_token_ids, self.tokenizer)
+        per_beam = group.num_candidates // params.beam_width
+        if group.num_candidates > self.vocab_limit:  # each step ranks num_candidates tokens of every beam
+            raise ValueError(f"BeamSearchParams.beam_width must be at most {self.vocab_limit // per_beam} (a step "
+                             f"ranks {per_beam} x beam_width of the {self.vocab_limit} tokens), "
+                             f"got {params.beam_width}")
+        return group
 
     def add(self, request: Request | BeamGroup) -> None:
         if isinstance(request, BeamGroup):

@@ -127,8 +127,13 @@ class GPT2(nn.Module):
         With an `attention_mask` (1 = token, 0 = padding) padded rows get positions counted
         from their first real token, so a left-padded row gets the logits it gets alone.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__} "
+                            "(torch.tensor(ids))")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must be (batch, time), neither empty, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
         B, T = input_ids.shape
         mask = None
         if attention_mask is not None:

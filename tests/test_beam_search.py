@@ -182,6 +182,7 @@ def test_abort_returns_every_page(llm):
 @pytest.mark.parametrize(("field", "value"), [
     ("beam_width", 0), ("beam_width", 2.0), ("max_tokens", 0), ("length_penalty", float("nan")),
     ("length_penalty", "1"), ("early_stopping", "always"), ("early_stopping", None), ("ignore_eos", 1),
+    ("beam_width", 1025),
 ])
 def test_bad_params_are_refused(field, value):
     with pytest.raises(ValueError, match=f"BeamSearchParams.{field} must be"):
@@ -196,6 +197,19 @@ def test_bad_requests_are_refused(llm):
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search([[1]], SamplingParams())
     assert_all_free(llm)
+
+
+def test_a_width_whose_candidates_outnumber_the_vocabulary_is_refused(checkpoint_factory):
+    """Each step ranks 2 x beam_width tokens of every beam (more with several EOS ids): a vocabulary of
+    500 takes a width of 250 at most."""
+    with LLM(str(checkpoint_factory(vocab_size=500)), kv_cache_tokens=512) as llm:
+        vocab = llm.engine.vocab_limit
+        per_beam = max(2, 1 + len(llm.engine.eos_token_ids))
+        with pytest.raises(ValueError, match=f"beam_width must be at most {vocab // per_beam} "):
+            llm.beam_search([[1, 2]], BeamSearchParams(beam_width=vocab // per_beam + 1, max_tokens=2))
+        assert_all_free(llm)
+        assert len(llm.beam_search([[1, 2]], BeamSearchParams(beam_width=vocab // per_beam,
+                                                              max_tokens=2))[0].sequences) == vocab // per_beam
 
 
 def test_cli_prints_the_best_hypothesis_or_all_as_json(eos_checkpoint, llm, tmp_path, capsys):

@@ -147,6 +147,7 @@ def test_pool_is_allocated_once(tiny_checkpoint):
         ("hi", SamplingParams(logit_bias={5: 1.0, 50257: -2.0}),
          r"SamplingParams\.logit_bias has token id 50257, outside the vocabulary \[0, 50257\)"),
         ("hi", SamplingParams(allowed_token_ids=[1, 60000]), r"SamplingParams\.allowed_token_ids has token id 60000"),
+        ("hi", SamplingParams(stop_token_ids=[50257]), r"SamplingParams\.stop_token_ids has token id 50257"),
     ],
 )
 def test_bad_requests_are_refused_clearly(tiny_checkpoint, prompt, params, match):
@@ -155,6 +156,14 @@ def test_bad_requests_are_refused_clearly(tiny_checkpoint, prompt, params, match
             llm.generate([prompt], params)
         assert_all_free(llm)
         assert llm.generate(["still works"], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_bytes_are_no_prompt_though_a_sequence_of_ints(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint)) as llm:
+        for prompts in (b"Hello", [b"Hello"], [bytearray(b"Hi")]):
+            with pytest.raises(TypeError, match=r"bytes: \.decode\(\)"):
+                llm.generate(prompts, SamplingParams(max_tokens=2))
+        assert_all_free(llm)
 
 
 def test_pool_too_small_for_one_request(tiny_checkpoint):

@@ -92,6 +92,19 @@ def test_out_of_range_inputs_are_refused(tiny_checkpoint):
         model(torch.zeros(1, model.config.n_positions + 1, dtype=torch.long))
 
 
+@pytest.mark.parametrize(("input_ids", "error", "says"), [
+    ([[1, 2]], TypeError, "must be a torch.Tensor"),
+    (torch.tensor([[5.0]]), TypeError, "integer token ids, got torch.float32"),
+    (torch.tensor([[True]]), TypeError, "integer token ids"),
+    (torch.zeros(1, 0, dtype=torch.long), ValueError, r"neither empty, got shape \(1, 0\)"),
+    (torch.zeros(0, 3, dtype=torch.long), ValueError, "neither empty"),
+    (torch.zeros(3, dtype=torch.long), ValueError, "must be \\(batch, time\\)"),
+])
+def test_malformed_inputs_are_named(tiny_checkpoint, input_ids, error, says):
+    with pytest.raises(error, match=says):
+        GPT2.from_pretrained(tiny_checkpoint)(input_ids)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
 def test_half_precision_close_to_fp32(tiny_checkpoint, dtype, tol):
     """Stated tolerance: max |logit error| relative to the logit range, bf16 <= 0.1, fp16 <= 0.02."""
