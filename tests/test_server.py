@@ -138,6 +138,10 @@ def generate(reference: LLM, prompt, **params):
 def test_models_health_and_metrics(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert served.client().models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        served.client().models.retrieve("org/other-model")
+    assert missing.value.code == "model_not_found" and "'org/other-model' does not exist" in missing.value.message
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     response = httpx.get(f"{served.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")

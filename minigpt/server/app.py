@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's /tokenize, /detokenize and
-/tokenizer_info, plus /health and /metrics.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models[/{model}], vLLM's
+/tokenize, /detokenize and /tokenizer_info, plus /health and /metrics.
 
 Each prompt of a request becomes one `AsyncLLM` request, so it joins the running batch at the
 engine's next step. A request ends when the engine finishes it or when its client goes away:
@@ -53,6 +53,7 @@ def build_app(
     v1.add_api_route("/chat/completions", ChatServer(server, chat_template).chat_completions, methods=["POST"],
                      response_model=None)
     v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/models/{model:path}", server.model, methods=["GET"])  # a served name may hold slashes
     app.include_router(v1)
     # vLLM's paths: at the root, where lm-eval looks for them beside <root>/v1/completions
     tokenization = Tokenization(llm.tokenizer, model_name, llm.engine.model_config.n_positions, chat_template)
@@ -82,9 +83,16 @@ class CompletionServer:
         self.created = protocol.now()
 
     async def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minigpt",
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model: str) -> dict:
+        """OpenAI's retrieve: the served model's card, a 404 for any other name."""
+        check_model(model, self.model_name)
+        return self._card()
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minigpt",
                 "max_model_len": self.llm.engine.model_config.n_positions}
-        return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
