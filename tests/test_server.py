@@ -316,6 +316,7 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400,
      "response_format", "response_format.json_schema.name is required"),
     ({"prompt": "hi", "stop": 5}, 400, "stop", "stop: Input should be a valid string or a valid list"),
+    ({"prompt": "hi", "temperature": "hot", "top_p": "x"}, 400, "temperature", "temperature: Input should be a valid"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "hi", "n": 129}, 400, "n", "n must be at most 128"),

@@ -7,6 +7,7 @@ every path that can reject a request (validation, auth, limits, unknown routes, 
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -80,12 +81,17 @@ def validation_error(err: RequestValidationError, content_type: str | None = Non
         [wanted[0], *(message.removeprefix("Input should be ") for message in wanted[1:])])), param)
 
 
+# How pydantic names a union's members in an error's location: "str", "list[TextPart]", "TextPart",
+# "literal['never']", "function-after[...]"; a request's own fields are snake_case
+_MEMBER = re.compile(r"^(str|int|float|bool|bytes|dict|list|none)$|[\[\-]|^[A-Z]")
+
+
 def _field_path(loc: tuple, others: list[tuple]) -> list:
-    """`loc` without pydantic's names of union members (where `loc` and another error's part ways on a
-    name) and of a dict's keys ("[key]": the key before it is what failed)."""
+    """`loc` without pydantic's names of union members (named as pydantic names them, where `loc` and
+    another error's part ways) and of a dict's keys ("[key]": the key before it is what failed)."""
     path = []
     for index, part in enumerate(loc):
-        member = isinstance(part, str) and any(
+        member = isinstance(part, str) and _MEMBER.search(part) is not None and any(
             other[:index] == loc[:index] and len(other) > index and other[index] != part for other in others)
         if not member and part != "[key]":
             path.append(part)
