@@ -120,10 +120,13 @@ def error_line(err: BaseException) -> str:
 def flag_error_line(err: BaseException, renames: dict[str, str] | None = None) -> str:
     """`error_line(err)` in a command line's words: an engine field it names ("num_threads must be ...",
     "max_tokens=...") named by its flag, and so is each field of `renames` (field -> flag)."""
-    names = {setting.name: flag for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None}
-    names.update(renames or {})
-    pattern = r"\b(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)"
-    return re.sub(pattern, lambda match: names[match[1]], error_line(err))
+    flagged = [(setting, flag) for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None]
+    line = error_line(err)
+    for setting, flag in flagged:  # a switch's "compile=True" is the switch itself
+        if setting.type == "bool":
+            line = re.sub(rf"\b{setting.name}=True\b", flag, line)
+    names = {setting.name: flag for setting, flag in flagged} | (renames or {})
+    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)", lambda m: names[m[1]], line)
 
 
 def _flag(setting: Field) -> str | None:

@@ -131,3 +131,15 @@ def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("minigpt.generate: error:") and message in err[0], err
     assert err[0].endswith("(see --help)")
+
+
+@pytest.mark.parametrize(("message", "says"), [
+    ("compile=True with tensor_parallel_size=2 is not supported", "--compile with --tensor-parallel-size=2 is not"),
+    ("num_threads must be a positive integer, got 0", "--threads must be a positive integer, got 0"),
+    ("prompt of 3 tokens + max_tokens=500 exceeds", "prompt of 3 tokens + --max-new-tokens=500 exceeds"),
+    ("unknown dtype 'float8'", "unknown dtype 'float8'"),  # a field named, not set: left as it is
+])
+def test_errors_name_the_flags_a_command_line_took(message, says):
+    from minigpt.engine_config import flag_error_line
+
+    assert flag_error_line(ValueError(message + "\nmore"), {"max_tokens": "--max-new-tokens"}) == says
