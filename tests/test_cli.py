@@ -134,7 +134,8 @@ def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
 
 
 @pytest.mark.parametrize(("message", "says"), [
-    ("compile=True with tensor_parallel_size=2 is not supported", "--compile with --tensor-parallel-size=2 is not"),
+    ("compile=True with tensor_parallel_size=2 is not supported",
+     "--compile with --tensor-parallel-size=2 is not supported"),
     ("num_threads must be a positive integer, got 0", "--threads must be a positive integer, got 0"),
     ("prompt of 3 tokens + max_tokens=500 exceeds", "prompt of 3 tokens + --max-new-tokens=500 exceeds"),
     ("unknown dtype 'float8'", "unknown dtype 'float8'"),  # a field named, not set: left as it is
