@@ -7,9 +7,9 @@ Never the weights: the programs take them as inputs (`compiled.TensorsAsInputs`)
 every checkpoint of a shape and the weights are held once. An entry is written under a temporary name
 and renamed when complete; its manifest records the key and each package's SHA-256, all checked
 before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run. A load marks
-its entry used (the manifest's time); a build deletes the entries no engine has loaded for
-`UNUSED_DAYS` days (those of an older minigpt or torch, mostly) and the leftovers of builds killed
-half way.
+its entry used (the manifest's time); a build deletes the entries of other minigpt sources or torch
+builds (which this one never loads) that no engine has loaded for `UNUSED_DAYS` days, and the leftovers
+of builds killed half way.
 
 A first start builds the steps side by side, each in a process of its own (`minigpt.compile_worker`),
 as many at once as the CPU has cores: a build is mostly one thread of Python, then one of the C++
@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,9 +48,12 @@ FORMAT = 1  # the layout of an entry; a change renames every entry
 # inductor's generated code checks every input's size and strides on each call, nearly all of them
 # weights whose shapes the entry's key fixes
 PACKAGE_OPTIONS = {"size_asserts": False}
-UNUSED_DAYS = 30  # an entry no engine loaded for this long is deleted by the next build
+UNUSED_DAYS = 30  # an entry of another build no engine loaded for this long is deleted by the next build
+BUILD_FIELDS = ("format", "minigpt", "torch", "torch_git")  # of a description: the build that wrote it
 BUILDING = ".building-"  # in the name of a folder an entry is being built in
 ABANDONED_HOURS = 24  # a build folder this old belongs to a build that was killed
+# what prune may delete: entries (named by `entry_key`) and build folders, nothing else a shared folder holds
+PRUNABLE = re.compile(rf"[0-9a-f]{{32}}({re.escape(BUILDING)}.*)?")
 
 
 def default_cache_dir() -> Path:
@@ -136,6 +140,7 @@ class ProgramCache:
         entry = self.root / entry_key(description)
         if entry.exists():
             start = time.perf_counter()
+            _mark_used(entry)  # first: another process's prune spares it while it loads
             try:
                 programs = self._load_entry(entry, description)
             except CorruptEntry as err:
@@ -143,30 +148,37 @@ class ProgramCache:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 logger.info("loaded the compiled steps from %s in %.2f s", entry, time.perf_counter() - start)
-                _mark_used(entry)
                 return programs
         self._build(entry, description, specs())
-        self.prune(keep=entry)
+        self.prune(description)
         return self._load_entry(entry, description)
 
-    def prune(self, keep: Path) -> None:
-        """Delete the entries unused for `UNUSED_DAYS` days and the folders of killed builds, `keep` aside."""
+    def prune(self, description: dict) -> None:
+        """Delete the entries of builds other than `description`'s unused for `UNUSED_DAYS` days (an entry
+        of this build, even one served from a read-only cache that cannot be marked used, stays) and the
+        folders of killed builds."""
         now, freed, removed = time.time(), 0, []
         for path in self.root.iterdir() if self.root.is_dir() else ():
+            if not PRUNABLE.fullmatch(path.name) or not path.is_dir():
+                continue
             building = BUILDING in path.name
             try:  # another process may be pruning the same folder
-                last_used = (path if building else path / MANIFEST).stat().st_mtime
-                if path == keep or now - last_used < (ABANDONED_HOURS * 3600 if building else UNUSED_DAYS * 86400):
-                    continue
+                if building:
+                    stale = now - path.stat().st_mtime > ABANDONED_HOURS * 3600
+                else:
+                    built_by = json.loads((path / MANIFEST).read_text()).get("description", {})
+                    stale = now - (path / MANIFEST).stat().st_mtime > UNUSED_DAYS * 86400 and any(
+                        built_by.get(field) != description.get(field) for field in BUILD_FIELDS)
                 size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
-            except OSError:
-                continue  # gone, or not an entry of ours (no manifest)
-            shutil.rmtree(path, ignore_errors=True)
-            if not path.exists():
-                freed, removed = freed + size, removed + [path.name]
+            except (OSError, ValueError, AttributeError):
+                continue  # gone, or no manifest a build of ours wrote
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+                if not path.exists():
+                    freed, removed = freed + size, removed + [path.name]
         if removed:
-            logger.info("deleted %d compile cache folders unused for %d days or left by killed builds (%.0f MB): %s",
-                        len(removed), UNUSED_DAYS, freed / 1e6, ", ".join(removed))
+            logger.info("deleted %d compile cache folders (%.0f MB) of other builds unused for %d days or left by "
+                        "killed builds: %s", len(removed), freed / 1e6, UNUSED_DAYS, ", ".join(removed))
 
     def _load_entry(self, entry: Path, description: dict) -> dict[str, Callable]:
         from torch._inductor import aoti_load_package
@@ -180,7 +192,11 @@ class ProgramCache:
             raise CorruptEntry("its manifest was written for another build")
         paths = {name: entry / f"{name}.pt2" for name in files}
         for name, path in paths.items():  # every package checked before any is loaded
-            if not path.is_file() or _sha256(path) != files[name]:
+            try:
+                intact = _sha256(path) == files[name]
+            except OSError:  # missing, or deleted while read
+                intact = False
+            if not intact:
                 raise CorruptEntry(f"{path.name} is missing or altered")
         programs = {}
         for name, path in paths.items():

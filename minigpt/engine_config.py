@@ -126,7 +126,8 @@ def flag_error_line(err: BaseException, renames: dict[str, str] | None = None) -
         if setting.type == "bool":
             line = re.sub(rf"\b{setting.name}=True\b", flag, line)
     names = {setting.name: flag for setting, flag in flagged} | (renames or {})
-    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)", lambda m: names[m[1]], line)
+    pattern = r"(?<![.\w])(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)"  # not a name's tail
+    return re.sub(pattern, lambda match: names[match[1]], line)
 
 
 def _flag(setting: Field) -> str | None:

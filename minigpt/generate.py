@@ -117,25 +117,22 @@ def beam_params(args: argparse.Namespace) -> BeamSearchParams:
         if dest not in ("max_new_tokens", "ignore_eos") and getattr(args, dest) != parser.get_default(dest):
             raise ValueError(f"--{dest.replace('_', '-')} does not apply to beam search (--beam-width)")
     early_stopping = {"false": False, "true": True, "never": "never"}[args.early_stopping]
-    try:
-        return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_new_tokens,
-                                length_penalty=args.length_penalty, early_stopping=early_stopping,
-                                ignore_eos=args.ignore_eos)
-    except ValueError as err:
-        message = str(err).replace("BeamSearchParams.max_tokens ", "--max-new-tokens ")
-        flag = re.sub(r"BeamSearchParams\.(\w+) ", lambda m: f"--{m[1].replace('_', '-')} ", message)
-        raise ValueError(flag) from None
+    return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_new_tokens,
+                            length_penalty=args.length_penalty, early_stopping=early_stopping,
+                            ignore_eos=args.ignore_eos)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The sampling flags as SamplingParams; a refused value is reported under its flag's name."""
-    try:
-        return SamplingParams(**{field: getattr(args, dest) for dest, field in SAMPLING_FLAGS.items()})
-    except ValueError as err:
-        message = str(err)
-        for dest, field in SAMPLING_FLAGS.items():
-            message = message.replace(f"SamplingParams.{field} ", f"--{dest.replace('_', '-')} ")
-        raise ValueError(message) from None
+    return SamplingParams(**{field: getattr(args, dest) for dest, field in SAMPLING_FLAGS.items()})
+
+
+def flag_names() -> dict[str, str]:
+    """The params' fields the flags set -> the flags, for errors: "max_tokens", "SamplingParams.max_tokens"
+    and "BeamSearchParams.max_tokens" are all --max-new-tokens."""
+    fields = {field: dest for dest, field in SAMPLING_FLAGS.items()}
+    fields.update({name: name for name in ("beam_width", "length_penalty", "early_stopping")})
+    return {name: f"--{dest.replace('_', '-')}" for field, dest in fields.items()
+            for name in (field, f"SamplingParams.{field}", f"BeamSearchParams.{field}")}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -154,6 +151,7 @@ def run(args: argparse.Namespace) -> None:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()  # here, where a reader gone is caught, not at exit
             return
         outs = with_line_numbers(lambda: llm.generate(prompts, params, progress=False if args.quiet else None), args,
                                  line_numbers)
@@ -185,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        except (OSError, ValueError):  # a stdout that is no file descriptor
+            pass
         return 128 + signal.SIGPIPE
     except USER_ERRORS as err:
-        flags = {field: f"--{dest.replace('_', '-')}" for dest, field in SAMPLING_FLAGS.items()}
-        print(f"minigpt.generate: error: {flag_error_line(err, flags)}", file=sys.stderr)
+        print(f"minigpt.generate: error: {flag_error_line(err, flag_names())}", file=sys.stderr)
         return 2
     return 0
 

@@ -125,10 +125,8 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, bytes, bytearray)):  # one prompt (bytes: one the engine refuses)
             return [prompts]
-        if isinstance(prompts, (bytes, bytearray)):  # a sequence of ints, but not of token ids
-            raise TypeError("a prompt must be a string or a list of token ids, not bytes (bytes: .decode())")
         if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]
         if not isinstance(prompts, SequenceABC):

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers as P  # noqa: E402 - scripts/ is not a package
 
 from minigpt.checkpoint import PRESETS  # noqa: E402
+from minigpt.config import GPT2Config  # noqa: E402
 
 
 def step_weights(preset: str) -> list[torch.Tensor]:
@@ -31,7 +32,7 @@ def step_weights(preset: str) -> list[torch.Tensor]:
     n_layer, _, c = PRESETS[preset]
     block = [(3 * c, c), (c, c), (4 * c, c), (c, 4 * c)]
     return [torch.randn(rows, cols).bfloat16() for _ in range(n_layer) for rows, cols in block] + [
-        torch.randn(50257, c).bfloat16()]
+        torch.randn(GPT2Config().vocab_size, c).bfloat16()]
 
 
 def one_row_reduction(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -88,9 +89,10 @@ def test_a_prompts_file_may_start_with_a_byte_order_mark_and_must_be_utf8(tiny_c
 
 def test_a_reader_that_leaves_ends_the_command_quietly(tiny_checkpoint):
     """`... | head -c 5`: the writes after the reader left end the command as SIGPIPE would, no error line."""
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}  # as by default
     process = subprocess.Popen([sys.executable, "-m", "minigpt.generate", "--model", str(tiny_checkpoint), "--quiet",
                                 "--prompt", "Hello", "--max-new-tokens", "8"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=buffered)
     process.stdout.close()  # gone before the first write
     assert process.wait() == 128 + signal.SIGPIPE
     assert process.stderr.read() == ""

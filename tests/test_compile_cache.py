@@ -183,35 +183,49 @@ def test_precompile_refuses_a_bad_flag_in_one_line(tiny_checkpoint, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-def _folder(root, name, age_days, manifest=True):
+BUILD = {"format": 1, "minigpt": "abc", "torch": "2.13.0", "torch_git": "f00"}
+
+
+def _folder(root, name, age_days, built_by=None):
+    """A folder `age_days` old: with a manifest written by `built_by` (a description), else a bare one."""
     path = root / name
     path.mkdir()
-    stamped = path / MANIFEST if manifest else path
-    if manifest:
-        stamped.write_text("{}")
+    stamped = path if built_by is None else path / MANIFEST
+    if built_by is not None:
+        stamped.write_text(json.dumps({"description": built_by, "files": {}}))
     (path / "layer.pt2").write_bytes(b"0" * 1000)
     old = time.time() - age_days * 86400
     os.utime(stamped, (old, old))
     return path
 
 
-def test_a_build_deletes_entries_long_unused_and_folders_of_killed_builds(tmp_path, caplog):
-    days = compile_cache.UNUSED_DAYS
-    keep = _folder(tmp_path, "a" * 32, days + 5)  # the entry just built
-    kept = [keep, _folder(tmp_path, "b" * 32, days - 1), _folder(tmp_path, "mine", days + 5, manifest=False),
-            _folder(tmp_path, "c" * 32 + compile_cache.BUILDING + "x", 0.5, manifest=False)]
-    deleted = [_folder(tmp_path, "d" * 32, days + 1),
-               _folder(tmp_path, "e" * 32 + compile_cache.BUILDING + "y", 2, manifest=False)]
+def test_a_build_deletes_long_unused_entries_of_other_builds_and_folders_of_killed_builds(tmp_path, caplog):
+    days, other = compile_cache.UNUSED_DAYS, {**BUILD, "minigpt": "older"}
+    kept = [
+        _folder(tmp_path, "a" * 32, days + 5, BUILD),  # this build's: it may serve from a read-only cache
+        _folder(tmp_path, "b" * 32, days - 1, other),  # another build's, used lately
+        _folder(tmp_path, "mine", days + 5, other),  # not named as an entry: not the cache's
+        _folder(tmp_path, "c" * 32 + compile_cache.BUILDING + "x", 0.5),  # a build under way
+        _folder(tmp_path, "shared" + compile_cache.BUILDING + "y", 2),
+    ]
+    deleted = [_folder(tmp_path, "d" * 32, days + 1, other),
+               _folder(tmp_path, "e" * 32, days + 1, {**BUILD, "torch": "2.12.0"}),
+               _folder(tmp_path, "f" * 32 + compile_cache.BUILDING + "z", 2)]
     (tmp_path / "notes.txt").write_text("not a folder")
     with caplog.at_level(logging.INFO, logger="minigpt"):
-        ProgramCache(tmp_path).prune(keep=keep)
+        ProgramCache(tmp_path).prune({**BUILD, "config": "any"})
     assert all(path.exists() for path in kept) and not any(path.exists() for path in deleted)
-    assert "deleted 2 compile cache folders" in caplog.text and (tmp_path / "notes.txt").exists()
-    ProgramCache(tmp_path / "never made").prune(keep=keep)
+    assert "deleted 3 compile cache folders" in caplog.text and (tmp_path / "notes.txt").exists()
+    ProgramCache(tmp_path / "never made").prune(BUILD)
 
 
-def test_a_load_marks_its_entry_used(tmp_path):
-    entry = _folder(tmp_path, entry_key({}), compile_cache.UNUSED_DAYS + 1)
+def test_a_load_marks_its_entry_used_and_a_build_prunes(tmp_path):
+    entry = _folder(tmp_path, entry_key(BUILD), compile_cache.UNUSED_DAYS + 1, BUILD)
     with mock.patch.object(ProgramCache, "_load_entry", return_value={}):
-        ProgramCache(tmp_path).load({}, specs=lambda: pytest.fail("built"))
+        ProgramCache(tmp_path).load(BUILD, specs=lambda: pytest.fail("built"))
     assert time.time() - (entry / MANIFEST).stat().st_mtime < 3600
+    stale = _folder(tmp_path, "0" * 32, compile_cache.UNUSED_DAYS + 1, {**BUILD, "minigpt": "older"})
+    built = {**BUILD, "config": "other"}
+    with mock.patch.object(ProgramCache, "_build"), mock.patch.object(ProgramCache, "_load_entry", return_value={}):
+        ProgramCache(tmp_path).load(built, specs=list)
+    assert not stale.exists() and entry.exists()

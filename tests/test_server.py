@@ -142,6 +142,7 @@ def test_models_health_and_metrics(served):
     with pytest.raises(openai.NotFoundError) as missing:
         served.client().models.retrieve("org/other-model")
     assert missing.value.code == "model_not_found" and "'org/other-model' does not exist" in missing.value.message
+    assert [m["id"] for m in httpx.get(f"{served.url}/v1/models/").json()["data"]] == [MODEL]
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     response = httpx.get(f"{served.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -317,6 +318,9 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
      "response_format", "response_format.json_schema.name is required"),
     ({"prompt": "hi", "stop": 5}, 400, "stop", "stop: Input should be a valid string or a valid list"),
     ({"prompt": "hi", "temperature": "hot", "top_p": "x"}, 400, "temperature", "temperature: Input should be a valid"),
+    ({"prompt": "hi", "max-tokens": 5, "top-p": 0.9}, 400, "max-tokens", "unknown field 'max-tokens'"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"Include-Usage": True}}, 400, "stream_options",
+     "unknown field 'stream_options.Include-Usage'"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "hi", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "hi", "n": 129}, 400, "n", "n must be at most 128"),

@@ -100,6 +100,15 @@ def test_bad_constraints_are_400_naming_the_field(served, fields, param):
     assert "StructuredOutputsParams" not in error["message"]  # the class behind the field is not the client's
 
 
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs.json is not valid"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+     "response_format.json_schema.schema is not valid"),
+])
+def test_a_bad_schema_is_named_where_the_request_put_it(served, fields, says):
+    assert says in complete(served, **fields).json()["error"]["message"]
+
+
 def test_openapi_schema_describes_the_fields(served):
     schema = httpx.get(f"{served.url}/openapi.json").json()
     request = schema["components"]["schemas"]["CompletionRequest"]["properties"]

@@ -86,7 +86,9 @@ class CompletionServer:
         return {"object": "list", "data": [self._card()]}
 
     async def model(self, model: str) -> dict:
-        """OpenAI's retrieve: the served model's card, a 404 for any other name."""
+        """OpenAI's retrieve: the served model's card, a 404 for any other name (none: the list)."""
+        if not model:  # /v1/models/
+            return await self.models()
         check_model(model, self.model_name)
         return self._card()
 
@@ -129,7 +131,7 @@ class CompletionServer:
         handles: list[RequestHandle] = []
         if len(prompts) > self.llm.config.max_waiting:  # a 503 would tell the client to retry in vain
             raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
-                                   f"{self.llm.config.max_waiting} (max_waiting)", "prompt")
+                          f"{self.llm.config.max_waiting} (max_waiting)", "prompt")
         submit = self.llm.submit_beam_search if isinstance(params, BeamSearchParams) else self.llm.submit
         try:
             for prompt in prompts:

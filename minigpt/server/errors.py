@@ -58,7 +58,7 @@ def validation_error(err: RequestValidationError, content_type: str | None = Non
     errors = err.errors()
     locs = [error["loc"][1:] for error in errors]  # loc[0] is "body"
     deepest = max(errors, key=lambda error: len(error["loc"]))  # the union member the value came closest to
-    kind, loc = deepest["type"], _field_path(deepest["loc"][1:], locs)
+    kind, loc = deepest["type"], _field_path(deepest["loc"][1:], locs, err.body)
     if kind == "json_invalid":
         return invalid(f"the request body is not valid JSON: {deepest.get('ctx', {}).get('error', deepest['msg'])}")
     if not loc and (content_type is None or "json" not in content_type.lower()):
@@ -76,25 +76,32 @@ def validation_error(err: RequestValidationError, content_type: str | None = Non
                        param)
     # a value no member of a union takes: what each member wanted ("a valid string or a valid list")
     wanted = [error["msg"] for error in errors
-              if len(error["loc"]) == len(deepest["loc"]) and _field_path(error["loc"][1:], locs) == loc]
+              if len(error["loc"]) == len(deepest["loc"]) and _field_path(error["loc"][1:], locs, err.body) == loc]
     return invalid(f"{where}: " + " or ".join(dict.fromkeys(
         [wanted[0], *(message.removeprefix("Input should be ") for message in wanted[1:])])), param)
 
 
 # How pydantic names a union's members in an error's location: "str", "list[TextPart]", "TextPart",
-# "literal['never']", "function-after[...]"; a request's own fields are snake_case
+# "literal['never']", "function-after[...]"
 _MEMBER = re.compile(r"^(str|int|float|bool|bytes|dict|list|none)$|[\[\-]|^[A-Z]")
 
 
-def _field_path(loc: tuple, others: list[tuple]) -> list:
-    """`loc` without pydantic's names of union members (named as pydantic names them, where `loc` and
-    another error's part ways) and of a dict's keys ("[key]": the key before it is what failed)."""
-    path = []
+def _field_path(loc: tuple, others: list[tuple], body: object) -> list:
+    """`loc` without pydantic's names of union members and of a dict's keys ("[key]": the key before it
+    failed). A member is named as pydantic names them, where `loc` and another error part ways, and is
+    no key of what the request sent there."""
+    path, sent = [], body
     for index, part in enumerate(loc):
+        if isinstance(sent, dict) and part in sent or isinstance(sent, list) and isinstance(part, int):
+            sent = sent[part] if isinstance(sent, dict) or part < len(sent) else None
+            path.append(part)
+            continue
         member = isinstance(part, str) and _MEMBER.search(part) is not None and any(
             other[:index] == loc[:index] and len(other) > index and other[index] != part for other in others)
-        if not member and part != "[key]":
-            path.append(part)
+        if not member:  # a member names no level of the body: what follows indexes the same value
+            sent = None
+            if part != "[key]":
+                path.append(part)
     return path
 
 

@@ -191,7 +191,7 @@ class CompletionRequest(SamplingFields):
                 raise invalid('response_format of type "json_schema" needs json_schema.schema', "response_format")
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
         except ValueError as err:
-            raise invalid(structured_error(err), self.structured_param) from None
+            raise invalid(structured_error(err, self.structured_param), self.structured_param) from None
 
     def beam_search_params(self) -> BeamSearchParams:
         """use_beam_search: beam width best_of (else n), the n best hypotheses returned; the sampling fields
@@ -238,7 +238,7 @@ def params_error(err: ValueError, where: str = "", default: str | None = None,
     """A 400 for an error that names a SamplingParams field (else `default`), naming the request field; a
     StructuredOutputsParams error names `structured_param`, the field the constraint came from."""
     if "StructuredOutputsParams" in str(err):
-        return invalid(f"{where}{structured_error(err)}", structured_param)
+        return invalid(f"{where}{structured_error(err, structured_param)}", structured_param)
     field = _FIELD.search(str(err))
     param = field.group(1) if field else default
     message = str(err).replace("SamplingParams.", "")
@@ -247,9 +247,13 @@ def params_error(err: ValueError, where: str = "", default: str | None = None,
     return invalid(f"{where}{message}", param)
 
 
-def structured_error(err: ValueError) -> str:
-    """A StructuredOutputsParams error in the request's words: "json is not valid: ..."."""
-    return str(err).replace("StructuredOutputsParams.", "").replace("StructuredOutputsParams", "structured_outputs")
+def structured_error(err: ValueError, param: str) -> str:
+    """A StructuredOutputsParams error in the words of `param`, the request field the constraint came from
+    ("response_format.json_schema.schema is not valid: ...")."""
+    text = str(err)
+    if param == "response_format":
+        text = text.replace("StructuredOutputsParams.json ", "response_format.json_schema.schema ")
+    return text.replace("StructuredOutputsParams.", f"{param}.").replace("StructuredOutputsParams", param)
 
 
 def completion_id() -> str:
