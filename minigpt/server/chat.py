@@ -67,16 +67,20 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
 
-    def completion(self, prompt: list[int], context_left: int) -> CompletionRequest:
-        """The completions request this chat request amounts to, for the prompt's token ids."""
+    def completion(self, prompt: list[int], context: int) -> CompletionRequest:
+        """The completions request this chat request amounts to, for the prompt's token ids and the model's
+        context of `context` tokens."""
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None and len(prompt) >= context:  # the default, the rest of the context, is nothing
+            raise invalid(f"the messages make a prompt of {len(prompt)} tokens, which leaves no room in the model's "
+                          f"context of {context} tokens", "messages")
         fields = {name: getattr(self, name) for name in SamplingFields.model_fields}  # passed on unchanged
         return CompletionRequest.model_construct(
-            prompt=prompt, max_tokens=max(context_left, 1) if max_tokens is None else max_tokens,
+            prompt=prompt, max_tokens=context - len(prompt) if max_tokens is None else max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None, **fields)
 
 
@@ -107,11 +111,7 @@ class ChatServer:
         prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
         if not prompt:
             raise invalid("the chat template rendered the messages as an empty prompt", "messages")
-        context = server.llm.engine.model_config.n_positions
-        if len(prompt) >= context and body.max_tokens is None and body.max_completion_tokens is None:
-            raise invalid(f"the messages make a prompt of {len(prompt)} tokens, which leaves no room in the model's "
-                          f"context of {context} tokens", "messages")
-        completion = body.completion(prompt, context - len(prompt))
+        completion = body.completion(prompt, server.llm.engine.model_config.n_positions)
         try:
             params = completion.sampling_params()
             completion.prompts()  # the request-size checks of /v1/completions
