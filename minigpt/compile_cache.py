@@ -169,7 +169,7 @@ class ProgramCache:
                     built_by = json.loads((path / MANIFEST).read_text()).get("description", {})
                     stale = now - (path / MANIFEST).stat().st_mtime > UNUSED_DAYS * 86400 and any(
                         built_by.get(field) != description.get(field) for field in BUILD_FIELDS)
-                size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+                size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) if stale else 0
             except (OSError, ValueError, AttributeError):
                 continue  # gone, or no manifest a build of ours wrote
             if stale:
