@@ -4,6 +4,9 @@ Each program takes one (sequence, head) pair, or one split of its context (flash
 tokens ``BLOCK_N`` at a time through the block table, and keeps an online softmax in fp32. With more than
 one split, every split writes its unnormalised output with its running max and sum, and a second kernel
 merges the splits. The reference is ``minigpt.kernels.reference.paged_decode_attention``.
+
+By default a split is ``SPLIT_TOKENS`` context tokens, whatever the batch or the page tables' width, so a
+sequence's attention is summed in the same order alone, in any batch, and in a CUDA graph's padded step.
 """
 
 import torch
@@ -12,8 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64  # context tokens per loop step (any block_size works: pages are looked up per token)
-TARGET_PROGRAMS = 512  # enough (sequence, head, split) programs to fill a large GPU a few times over
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it wins
+SPLIT_TOKENS = 256  # a multiple of BLOCK_N; a shorter split costs more in merging than it wins
 MAX_SPLITS = 32
 
 
@@ -151,10 +153,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + row * head_dim + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def default_num_splits(batch_heads: int, max_context: int) -> int:
-    """Splits per (sequence, head) so that small batches with long contexts still fill the GPU."""
-    splits = min(TARGET_PROGRAMS // max(batch_heads, 1), max_context // MIN_SPLIT_TOKENS, MAX_SPLITS)
-    return max(splits, 1)
+def default_split_tokens(max_context: int) -> int:
+    """Context tokens per split: ``SPLIT_TOKENS``, or more where that would take over ``MAX_SPLITS``."""
+    return max(SPLIT_TOKENS, triton.cdiv(triton.cdiv(max_context, MAX_SPLITS), BLOCK_N) * BLOCK_N)
 
 
 def paged_decode_attention(
@@ -170,7 +171,7 @@ def paged_decode_attention(
 
     query: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, H, D] (same strides);
     block_tables: [B, max_blocks] int32; context_lens: [B] int32. Returns [B, H, D] in the query's dtype.
-    num_splits: context splits per (sequence, head); None picks ``default_num_splits``. A row with
+    num_splits: context splits per (sequence, head); None: splits of ``default_split_tokens``. A row with
     context_len 0 returns zeros.
     """
     batch, num_heads, head_dim = query.shape
@@ -181,8 +182,9 @@ def paged_decode_attention(
         raise ValueError("block_tables rows must be contiguous")
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = default_num_splits(batch * num_heads, max_context)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), BLOCK_N) * BLOCK_N
+        tokens_per_split = default_split_tokens(max_context)
+    else:
+        tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), BLOCK_N) * BLOCK_N
     num_splits = max(triton.cdiv(max_context, tokens_per_split), 1)
 
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype, device=query.device)

@@ -61,11 +61,26 @@ def test_paged_decode_strided_query_and_empty_context(num_splits: int) -> None:
 
 
 def test_paged_decode_default_splits() -> None:
-    splits = paged_attention.default_num_splits
-    assert splits(batch_heads=32 * 12, max_context=1024) == 1  # a full batch fills the GPU by itself
-    assert splits(batch_heads=1 * 12, max_context=1024) == 4  # one sequence: split a long context
-    assert splits(batch_heads=1 * 12, max_context=100) == 1  # a short context is not worth splitting
-    check_decode(make_pages([600], 16, num_heads=1, head_dim=64, dtype=torch.float16))  # takes 2 splits
+    tokens = paged_attention.default_split_tokens
+    assert tokens(max_context=100) == tokens(max_context=1024) == paged_attention.SPLIT_TOKENS  # GPT-2's contexts
+    assert tokens(max_context=64 * paged_attention.SPLIT_TOKENS) == 2 * paged_attention.SPLIT_TOKENS  # 32 splits
+    check_decode(make_pages([600], 16, num_heads=1, head_dim=64, dtype=torch.float16))  # takes 3 splits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_of_a_sequence_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """Each sequence alone, over just its pages, gives bitwise the output it gets in a batch whose tables
+    are wider (as a CUDA graph's padded step reads them): one split or several, summed in the same order."""
+    lens = [5, 300, 600, 40]
+    p = make_pages(lens, 16, num_heads=2, head_dim=64, dtype=dtype)
+    batched = paged_attention.paged_decode_attention(*decode_args(p))
+    for b, n in enumerate(lens):
+        pages = -(-n // 16)
+        alone = paged_attention.paged_decode_attention(
+            p.query[b : b + 1], p.k_cache, p.v_cache, p.block_tables[b : b + 1, :pages].contiguous(),
+            p.context_lens[b : b + 1], p.scale,
+        )
+        assert torch.equal(alone[0], batched[b]), n
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
