@@ -48,6 +48,9 @@ class EngineConfig:
     compile: bool = _setting(
         False, "compiled steps: faster decoding; compiled once per model shape and mode (minutes), then cached on disk"
     )
+    enforce_eager: bool = _setting(
+        False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start"
+    )
     compile_cache_dir: str | None = _setting(
         None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
     )
@@ -67,7 +70,7 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
-        for name in ("enable_prefix_caching", "compile"):
+        for name in ("enable_prefix_caching", "compile", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_cache_dtype is not None:

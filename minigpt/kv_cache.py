@@ -38,10 +38,13 @@ class KVPool:
     """The preallocated K/V pages of every layer."""
 
     def __init__(
-        self, config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        spare_blocks: int = 0,
     ) -> None:
+        """`num_blocks` pages for sequences, then `spare_blocks` that no sequence is given (a CUDA graph's
+        padding rows write into one)."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (config.n_layer, 2, num_blocks, block_size, config.n_head, config.head_dim)
+        shape = (config.n_layer, 2, num_blocks + spare_blocks, block_size, config.n_head, config.head_dim)
         # Zeroed, not empty: attention reads whole pages under a mask, and masked garbage that
         # happens to be NaN would still poison the softmax-weighted sum (NaN * 0 = NaN).
         try:

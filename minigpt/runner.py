@@ -20,6 +20,7 @@ import torch
 from minigpt.attention import PagedAttention, PrefillSegment, StepMetadata
 from minigpt.attention_backends import select_backend
 from minigpt.cpu_linear import prepare_linears
+from minigpt.cuda_graphs import DecodeGraphs, capture_sizes
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import KVPool, bytes_per_token
 from minigpt.model import attention_inputs, attention_outputs, load_model
@@ -67,7 +68,10 @@ class ModelRunner:
         if shard is not None:
             shard.reduce_projections(self.model)
         kv_dtype = resolve_dtype(config.kv_cache_dtype or config.dtype)
-        self.pool = KVPool(self.cache_config, self._num_blocks(kv_dtype), config.block_size, kv_dtype, self.device)
+        # CUDA graphs replay decode steps; a tensor-parallel rank's steps come from rank 0, eagerly
+        graphs = self.device.type == "cuda" and not (config.enforce_eager or config.compile or shard is not None)
+        self.pool = KVPool(self.cache_config, self._num_blocks(kv_dtype), config.block_size, kv_dtype, self.device,
+                           spare_blocks=int(graphs))
         self.scales, self.upcast = self.model.attention_scales(), model_config.reorder_and_upcast_attn
         self.backend = select_backend(config.attention_backend, self.device)
         self.halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs)
@@ -80,6 +84,13 @@ class ModelRunner:
             self.halves = self.compiled.halves
             if self.backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
                 self.backend = self.compiled.decode_backend
+        self.graphs = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.forward, capture_sizes(config.max_num_seqs), -(-model_config.n_positions // config.block_size),
+                self.pool.num_blocks, config.block_size, self.device,
+            )
+            self.graphs.capture_all()
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
@@ -101,8 +112,15 @@ class ModelRunner:
         """Logits [R, vocab] of the step's `logits_indices` rows; the step's K/V land in the pool."""
         if self.compiled is not None and self.compiled.covers(inputs):
             return self.compiled(inputs)
-        attention = PagedAttention(self.pool.kv, inputs.meta, self.backend, self.scales, self.upcast)
-        return self.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices, self.halves)
+        if self.graphs is not None and self.graphs.covers(inputs):
+            return self.graphs(inputs)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The eager step: the model's layer loop with paged attention (what the CUDA graphs capture)."""
+        attention = PagedAttention(self.pool.kv, meta, self.backend, self.scales, self.upcast)
+        return self.model.run(input_ids, positions, attention, logits_rows, self.halves)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
         """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes."""
@@ -169,7 +187,7 @@ class ModelRunner:
         """Free the KV pool and the compiled steps."""
         self.pool.kv = torch.empty(0)
         self.backend.close()
-        self.compiled = None
+        self.compiled = self.graphs = None
         self.halves = (attention_inputs, attention_outputs)
 
 

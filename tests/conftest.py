@@ -23,6 +23,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = dict(n_layer=2, n_head=4, n_embd=64, n_positions=128)
+# With the `cuda` marker: what scripts/gpu_check.py runs on a GPU, skipped without one
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def write_hf_checkpoint(path: Path, layout: str = "hf", seed: int = 0, **config_kwargs) -> Path:
@@ -91,7 +93,7 @@ def random_prompts(lengths: list[int], vocab: int = 50257, seed: int = 0) -> lis
 
 def hf_greedy(ref, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy `generate` continuation of one prompt, EOS ignored."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=ref.device)
     with torch.no_grad():
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)

@@ -6,6 +6,7 @@ the logits each token was picked from are captured at the sampler. transformers,
 same token sequences (teacher forcing), so every position compares like with like. Errors are
 relative to the fp32 logit range of their position.
 
+Each runs on the CPU, and on a GPU when there is one (`cuda`), transformers on the same device.
 Measured on this machine (torch 2.13, CPU; 5 prompts x 24 tokens = 120 positions per config;
 "equal" = leading tokens equal to fp32 greedy per prompt; "checked" = tokens before the first near-tie,
 which the greedy test asserts equal):
@@ -41,9 +42,10 @@ import torch
 
 from minigpt import LLM, SamplingParams
 
-from conftest import hf_model, with_residual_outliers
+from conftest import hf_model, needs_cuda, with_residual_outliers
 
 CONFIGS = {"default": {}, "odd-heads": dict(n_head=3, n_embd=48)}
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]  # each with transformers on it
 LENGTHS = [1, 7, 16, 29, 50]  # one token, inside a page, page multiples, several pages (block_size=8)
 MAX_TOKENS = 24
 
@@ -74,11 +76,11 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(50257) for _ in range(n)] for n in LENGTHS]
 
 
-def run_engine(path: Path, mode: str, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+def run_engine(path: Path, mode: str, prompts: list[list[int]], device: str) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy tokens of each prompt and the fp32 copy of the logits each was picked from [tokens, vocab].
     `mode`: a dtype, or "<dtype>+kv-<dtype>" for a KV pool of another dtype."""
     dtype, _, kv_cache_dtype = mode.partition("+kv-")
-    with LLM(str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype or None, block_size=8) as llm:
+    with LLM(str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype or None, block_size=8, device=device) as llm:
         seen: dict[int, list[torch.Tensor]] = defaultdict(list)
         sampler = llm.engine.sampler
 
@@ -95,7 +97,7 @@ def run_engine(path: Path, mode: str, prompts: list[list[int]]) -> list[tuple[li
 def teacher_forced(ref, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """fp32 logits at the positions that predicted each of `tokens` [len(tokens), vocab]."""
     with torch.no_grad():
-        logits = ref(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        logits = ref(torch.tensor([prompt + tokens[:-1]], device=ref.device)).logits[0]
     return logits[len(prompt) - 1 :]
 
 
@@ -106,7 +108,7 @@ def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def fp32_greedy(ref, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and, per step, the top-2 logit gap relative to the logit range."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=ref.device)
     with torch.no_grad():
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
                            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -116,18 +118,23 @@ def fp32_greedy(ref, prompt: list[int]) -> tuple[list[int], list[float]]:
     return out.sequences[0, len(prompt) :].tolist(), gaps.tolist()
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def checkpoint(request, checkpoint_factory) -> tuple[Path, object, list[list[int]]]:
+def checkpoint(request, checkpoint_factory, device) -> tuple[Path, object, list[list[int]], str]:
     path = checkpoint_factory(**CONFIGS[request.param])
-    return path, hf_model(path), _prompts()
+    return path, hf_model(path).to(device), _prompts(), device
 
 
 @pytest.mark.parametrize("dtype", list(BOUNDS))
 def test_logits_agree_with_fp32_transformers(checkpoint, dtype):
-    path, ref, prompts = checkpoint
+    path, ref, prompts, device = checkpoint
     bounds = BOUNDS[dtype]
     agree, errors = [], []
-    for prompt, (tokens, got) in zip(prompts, run_engine(path, dtype, prompts), strict=True):
+    for prompt, (tokens, got) in zip(prompts, run_engine(path, dtype, prompts, device), strict=True):
         assert torch.isfinite(got).all(), f"{dtype} logits are not finite"
         expected = teacher_forced(ref, prompt, tokens)
         agree.append(got.argmax(-1) == expected.argmax(-1))
@@ -139,23 +146,24 @@ def test_logits_agree_with_fp32_transformers(checkpoint, dtype):
 
 @pytest.mark.parametrize("dtype", list(BOUNDS))
 def test_greedy_tokens_equal_fp32_until_a_near_tie(checkpoint, dtype):
-    path, ref, prompts = checkpoint
+    path, ref, prompts, device = checkpoint
     near_tie = BOUNDS[dtype].near_tie
-    for prompt, (tokens, _) in zip(prompts, run_engine(path, dtype, prompts), strict=True):
+    for prompt, (tokens, _) in zip(prompts, run_engine(path, dtype, prompts, device), strict=True):
         expected, gaps = fp32_greedy(ref, prompt)
         k = next((i for i, gap in enumerate(gaps) if gap < near_tie), MAX_TOKENS)
         assert tokens[:k] == expected[:k], f"{dtype}: prompt of {len(prompt)} tokens left fp32's path before step {k}"
 
 
-def test_fp16_engine_survives_residual_outliers(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_engine_survives_residual_outliers(tmp_path, tiny_checkpoint, device):
     """The paged path in fp16 with GPT-2-like residual outliers past fp16's 65504 (see test_model's
     dense-path test, which shows transformers' all-half forward turning to inf/NaN on these weights):
     the fp32 residual stream keeps every logit finite. Measured: top-1 agreement 1.0 over 120 positions,
     max error 2.9e-4 of the logit range."""
     path = with_residual_outliers(tiny_checkpoint, tmp_path / "outliers")
-    ref, prompts = hf_model(path), _prompts()
+    ref, prompts = hf_model(path).to(device), _prompts()
     agree, errors = [], []
-    for prompt, (tokens, got) in zip(prompts, run_engine(path, "float16", prompts), strict=True):
+    for prompt, (tokens, got) in zip(prompts, run_engine(path, "float16", prompts, device), strict=True):
         assert torch.isfinite(got).all()
         expected = teacher_forced(ref, prompt, tokens)
         agree.append(got.argmax(-1) == expected.argmax(-1))

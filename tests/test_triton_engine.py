@@ -24,9 +24,10 @@ import minigpt.runner
 import minigpt.transfer
 from minigpt import LLM, SamplingParams
 
+from conftest import needs_cuda
+
 HERE = Path(__file__).parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def run_child(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -147,10 +148,11 @@ def test_step_reads_only_the_sampled_tokens_from_the_device(tiny_checkpoint, mon
         assert mode.ops["aten.lift_fresh.default"] == len(host_copies) > 0
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_decode_step_syncs_only_to_read_the_tokens(tiny_checkpoint) -> None:
-    """The same on a GPU with CUDA's sync debug mode (not run here: no CUDA device): one synchronizing
-    call per decode step, the sampled tokens' ``tolist``."""
+    """The same on a GPU with CUDA's sync debug mode: one synchronizing call per decode step (a CUDA
+    graph's replay), the sampled tokens' ``tolist``."""
     engine = _started_engine(tiny_checkpoint, "cuda")
     engine.step()  # warm up the decode path
     torch.cuda.synchronize()
