@@ -3,6 +3,7 @@
     python scripts/make_checkpoint.py checkpoints/gpt2-random --preset gpt2
     python scripts/bench.py --model checkpoints/gpt2-random                  # every workload, every engine found
     python scripts/bench.py --model checkpoints/gpt2-random --workloads stream,seed000 --engines minigpt,transformers
+    python scripts/bench.py --model checkpoints/gpt2-random --device cuda --dtypes bfloat16,minigpt:bfloat16+eager
 
 Workloads (scripts/workloads.py) reproduce the seed write-ups:
   seed000  N concurrent queries x 64 greedy tokens: one-at-a-time vs batched (calls, avg batch size)
@@ -50,10 +51,15 @@ class MinigptPeer(P.Peer):
     """minigpt through its public API: LLM.generate for batches, AsyncLLM for serving."""
 
     name = "minigpt"
+    devices = ("cpu", "cuda")
     # "+compile": the same mode with EngineConfig.compile (its one-time compile is not timed).
     dtypes = tuple(mode + option for option in ("", "+compile") for mode in ("float32", "bfloat16", *QUANTIZATIONS))
-    # "+kv-float16", "+kv-bfloat16": a compiled mode over a half-precision KV pool (kv_cache_dtype); run when named.
-    extra_dtypes = tuple(f"{mode}+kv-{kv}" for mode in dtypes if "+" in mode for kv in ("float16", "bfloat16"))
+    # "+kv-float16", "+kv-bfloat16": a compiled mode over a half-precision KV pool (kv_cache_dtype); "+eager": a
+    # float mode on CUDA with EngineConfig.enforce_eager (no CUDA graphs); run when named.
+    extra_dtypes = (
+        *(f"{mode}+kv-{kv}" for mode in dtypes if "+" in mode for kv in ("float16", "bfloat16")),
+        "float16", "float32+eager", "float16+eager", "bfloat16+eager",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,7 +70,8 @@ class MinigptPeer(P.Peer):
 
     def _engine_args(self, mode: str) -> dict:
         dtype, *options = mode.split("+")
-        args = {"dtype": dtype, "num_threads": P.THREADS, "compile": "compile" in options}
+        args = {"dtype": dtype, "device": self.device, "num_threads": P.THREADS, "compile": "compile" in options,
+                "enforce_eager": "eager" in options}
         for option in options:
             if option.startswith("kv-"):
                 args["kv_cache_dtype"] = option.removeprefix("kv-")
@@ -171,8 +178,11 @@ class Bench:
         self.ckpt = Path(args.model)
         self.encode = W.load_encoder(self.ckpt)
         self.results: dict[str, list] = {}
-        self.bandwidth = P.memory_bandwidth_gbs()["read_sum_gbs"]
-        log(f"memory bandwidth (read): {self.bandwidth:.1f} GB/s")
+        if args.device == "cpu":
+            self.bandwidth = P.memory_bandwidth_gbs()["read_sum_gbs"]
+        else:
+            self.bandwidth = P.device_bandwidth_gbs(args.device)["read_sum_gbs"]
+        log(f"{args.device} memory bandwidth (read): {self.bandwidth:.1f} GB/s")
 
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
@@ -188,7 +198,10 @@ class Bench:
             raise SystemExit(f"--dtypes: no engine has {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         pairs = []
         for peer in peers:
+            peer.device = self.args.device
             reason = peer.unavailable_reason()
+            if self.args.device not in peer.devices:
+                reason = f"runs on {', '.join(peer.devices)} here, not {self.args.device}"
             if reason is not None:
                 log(f"skip {peer.name}: {reason}")
                 continue
@@ -294,7 +307,8 @@ class Bench:
 
     def report(self) -> None:
         out = Path(self.args.out)
-        print(f"Checkpoint {self.ckpt} | threads {P.THREADS} | memory read bandwidth {self.bandwidth:.1f} GB/s\n")
+        print(f"Checkpoint {self.ckpt} | device {self.args.device} | threads {P.THREADS} | memory read bandwidth "
+              f"{self.bandwidth:.1f} GB/s\n")
         if rows := self.results.get("start"):
             print("### Start and memory: a fresh process to ready, then 8 tokens\n")
             print(table(["engine", "first start s", "start s", "peak MB"],
@@ -327,7 +341,7 @@ class Bench:
         out = Path(self.args.out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "bench.json"
-        path.write_text(json.dumps({"checkpoint": str(self.ckpt), "threads": P.THREADS,
+        path.write_text(json.dumps({"checkpoint": str(self.ckpt), "device": self.args.device, "threads": P.THREADS,
                                     "bandwidth_gbs": self.bandwidth, **self.results}, indent=2))
         return path
 
@@ -360,6 +374,8 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a local GPT-2 checkpoint directory")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where every engine runs (on cuda: minigpt and transformers); GB/s against its memory")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--engines", default=None, help="comma list: minigpt,transformers,ctranslate2,llama.cpp")

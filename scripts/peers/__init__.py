@@ -30,7 +30,7 @@ from .checkpoints import checkpoint_cache_dir, gpt2_decode_bytes, peers_dir
 from .ctranslate2 import CTranslate2Peer
 from .hf import HFPeer
 from .llama_cpp import LlamaCppPeer
-from .machine import THREADS, OtherLoad, cpu_busy, memory_bandwidth_gbs, wait_until_quiet
+from .machine import THREADS, OtherLoad, cpu_busy, device_bandwidth_gbs, memory_bandwidth_gbs, wait_until_quiet
 from .results import (
     BatchResult,
     RequestTiming,
@@ -43,7 +43,8 @@ from .results import (
 
 __all__ = [
     "THREADS", "BatchResult", "CTranslate2Peer", "HFPeer", "LlamaCppPeer", "OtherLoad", "Peer", "RequestTiming",
-    "ServingResult", "StreamResult", "all_peers", "checkpoint_cache_dir", "chunks", "cpu_busy", "gpt2_decode_bytes",
+    "ServingResult", "StreamResult", "all_peers", "checkpoint_cache_dir", "chunks", "cpu_busy", "device_bandwidth_gbs",
+    "gpt2_decode_bytes",
     "median_batch", "median_stream", "memory_bandwidth_gbs", "peers_dir", "repeat", "wait_until_quiet",
 ]
 

@@ -21,6 +21,9 @@ class Peer(ABC):
     name: str = "peer"
     dtypes: tuple[str, ...] = ("float32",)  # what a run without --dtypes measures
     extra_dtypes: tuple[str, ...] = ()  # also accepted, measured only when named
+    devices: tuple[str, ...] = ("cpu",)  # what it can run on here
+
+    device = "cpu"  # what it runs on: set by the bench before `prepare`
 
     def __init__(self) -> None:
         self.dtype: str | None = None

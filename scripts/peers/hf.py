@@ -19,6 +19,7 @@ class HFPeer(Peer):
 
     name = "transformers"
     dtypes = ("float32", "bfloat16")
+    devices = ("cpu", "cuda")
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +41,7 @@ class HFPeer(Peer):
         self.dtype = dtype
         self.model = GPT2LMHeadModel.from_pretrained(
             self.checkpoint_dir, dtype=getattr(torch, dtype)
-        ).eval()
+        ).eval().to(self.device)
         # Never stop at EOS: every engine generates exactly max_new_tokens.
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = self.eos
@@ -66,7 +67,8 @@ class HFPeer(Peer):
             for i, p in enumerate(chunk):  # left padding: the new tokens line up on the right
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **self._gen_kwargs(max_new_tokens))
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      **self._gen_kwargs(max_new_tokens))
             return out[:, width:].tolist()
 
         with torch.inference_mode():
@@ -93,7 +95,7 @@ class HFPeer(Peer):
                 pass
 
         clock = _Clock()
-        ids = torch.tensor([list(prompt)])
+        ids = torch.tensor([list(prompt)], device=self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(

@@ -34,6 +34,30 @@ def memory_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 7) -> dict[str, 
     }
 
 
+def device_bandwidth_gbs(device: str, n_bytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
+    """`memory_bandwidth_gbs` of a GPU's memory: the same sum and copy, timed after the device has finished."""
+    import torch
+
+    x = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+
+    def best(fn: Callable[[], Any], moved: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        return moved / statistics.median(times) / 1e9
+
+    return {
+        "read_sum_gbs": best(lambda: x.sum(), n_bytes),
+        "copy_gbs": best(lambda: y.copy_(x), 2 * n_bytes),
+    }
+
+
 def _cpu_times() -> tuple[int, int]:
     with open("/proc/stat") as f:
         vals = [int(v) for v in f.readline().split()[1:]]
