@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="every stage on the CPU with tiny shapes")
     parser.add_argument("--deadline-s", type=float, default=540, help="the whole run's time; stages share it")
     parser.add_argument("--checkpoints", default="/tmp/minigpt-gpu-check", help="where the checkpoints are written")
+    parser.add_argument("--stages", help="comma list of the stages to run (a rerun of those that failed); default: all")
     parser.add_argument("--probe", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -199,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     results: dict = {"dry_run": args.dry_run, "commit": _commit(), "stages": {}}
     with (out / "gpu_check.log").open("w") as log:
-        for stage in stages(args, Path(args.checkpoints)):
+        chosen = stages(args, Path(args.checkpoints))
+        if args.stages:
+            unknown = set(args.stages.split(",")) - {stage.name for stage in chosen}
+            if unknown:
+                parser.error(f"--stages: no stage {', '.join(sorted(unknown))}")
+            chosen = [stage for stage in chosen if stage.name in args.stages.split(",")]
+        for stage in chosen:
             left = args.deadline_s - (time.monotonic() - start)
             results["stages"][stage.name] = outcome = run_stage(stage, log, left, env)
             print(f"[gpu_check] {stage.name}: {outcome['status']} in {outcome['seconds']:.0f} s", flush=True)
