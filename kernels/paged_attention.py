@@ -224,7 +224,8 @@ def paged_decode_attention(
             l_sum,
             num_splits,
             head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            # one width for any split count: the splits of a sequence merge in the same order however many follow
+            BLOCK_S=triton.next_power_of_2(max(num_splits, MAX_SPLITS)),
             BLOCK_D=block_d,
         )
     return out

@@ -89,8 +89,8 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def __call__(self, inputs) -> torch.Tensor:
-        """Logits [B, vocab] of a step `covers` takes: a view of the graph's output, valid until the next
-        replay (the engine samples from it within the step)."""
+        """Logits [B, vocab] of a step `covers` takes (a copy: the graph's own output is overwritten by the
+        next replay)."""
         meta, batch = inputs.meta, len(inputs.input_ids)
         size = self.bucket(batch)
         tables = meta.decode_block_tables
@@ -103,4 +103,4 @@ class DecodeGraphs:
             self.slots[batch:size].fill_(self.scratch_slot)
             self.tables[batch:size].fill_(self.scratch_block)
             self.lens[batch:size].fill_(1)
-        return self.graphs[size]()[:batch]
+        return self.graphs[size]()[:batch].clone()

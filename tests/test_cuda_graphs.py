@@ -23,8 +23,14 @@ MAX_TOKENS = [12, 9, 20, 2, 16, 30]  # sequences finish at different steps: the 
 
 
 def replay_by_calling(fn, pool):
-    """A stand-in for a CUDA graph on the CPU: each replay runs the captured step again."""
-    return fn
+    """A stand-in for a CUDA graph on the CPU: each replay runs the captured step again and, as a graph
+    does, writes its output into the one tensor the capture returned."""
+    out = fn()
+
+    def replay():
+        return out.copy_(fn())
+
+    return replay
 
 
 def test_capture_sizes_are_a_ladder_up_to_the_largest_batch():
@@ -107,6 +113,21 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_checkpoint, max_batch)
     torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
     assert set(replayed) == {1, 2, 4} | ({8} if max_batch == 8 else set())
     assert sum(replayed.values()) < max(MAX_TOKENS)  # the prompts' first step and larger batches ran eagerly
+
+
+def test_logits_outlive_the_next_replay(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint), block_size=8, kv_cache_tokens=1024) as llm:
+        with_graphs(llm, 4)
+        engine = llm.engine
+        engine.add(engine.make_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+        engine.step()  # the prompt
+        runner, kept = engine.runner, []
+        run = runner.run
+        runner.run = lambda inputs: kept.append(run(inputs)) or kept[-1]
+        engine.step()
+        first = kept[0].clone()
+        engine.step()
+        assert torch.equal(kept[0], first) and not torch.equal(kept[1], first)
 
 
 def test_padding_rows_are_reset_after_a_larger_step(tiny_checkpoint):

@@ -162,5 +162,5 @@ def test_cuda_decode_step_syncs_only_to_read_the_tokens(tiny_checkpoint) -> None
             engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
