@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minigpt.transfer import to_device
+
 
 @dataclass
 class PrefillSegment:
@@ -41,6 +43,8 @@ class StepMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor | None  # [B_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [B_decode] int32
+    # the first `num_fresh` segments start their prompts (no cached prefix) and attend in one call
+    num_fresh: int = 0
 
 
 class CausalAttention:
@@ -68,13 +72,20 @@ class PagedAttention:
     def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
                  upcast: bool) -> None:
         self.kv_pool, self.meta, self.backend, self.scales, self.upcast = kv_pool, meta, backend, scales, upcast
+        self.fresh_mask = None
+        if meta.num_fresh:
+            self.fresh_mask = block_causal_mask([seg.length for seg in meta.prefills[: meta.num_fresh]], kv_pool.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, scale = self.meta, self.scales[layer]
         k_cache, v_cache = self.kv_pool[layer]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        parts = []
-        for seg in meta.prefills:
+        parts, segments = [], meta.prefills
+        if self.fresh_mask is not None:
+            fresh = self.fresh_mask.shape[0]
+            parts.append(token_attention(q[:fresh], k[:fresh], v[:fresh], scale, self.upcast, self.fresh_mask))
+            segments = segments[meta.num_fresh :]
+        for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             parts.append(prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale, self.upcast))
         if meta.decode_block_tables is not None:
@@ -132,6 +143,14 @@ def prefill_attention(
         q_pos = torch.arange(context_len - length, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # (T, context_len)
     return token_attention(q, k, v, scale, upcast, mask)
+
+
+def block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[F, F] bool for prompts of `lengths` (F tokens in all) laid end to end: each token sees its own
+    prompt's tokens up to itself."""
+    prompt = to_device([i for i, length in enumerate(lengths) for _ in range(length)], torch.int64, device)
+    rows = torch.arange(len(prompt), device=device)
+    return (prompt[:, None] == prompt[None, :]) & (rows[None, :] <= rows[:, None])
 
 
 def token_attention(

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from minigpt.tensor_parallel.shard import Shard
 
 logger = logging.getLogger("minigpt")
+MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask holds the square of this
 
 
 @dataclass
@@ -74,6 +75,9 @@ class ModelRunner:
                            spare_blocks=int(graphs))
         self.scales, self.upcast = self.model.attention_scales(), model_config.reorder_and_upcast_attn
         self.backend = select_backend(config.attention_backend, self.device)
+        # the prompts a step starts attend in one call (a GPU would idle through one small call per prompt);
+        # the CPU takes them one by one, each without the others' masked work
+        self.batched_prefill = self.device.type == "cuda"
         self.halves: tuple[Callable, Callable] = (attention_inputs, attention_outputs)
         self.compiled = None
         if config.compile:
@@ -134,6 +138,11 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, chunk))
+        # the chunks that start a prompt
+        fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
+        batched = len(fresh) > 1 and sum(fresh) <= MAX_BATCHED_PREFILL
+        if batched:
+            prefills.sort(key=lambda pair: pair[0].num_computed_tokens > 0)  # stable: those chunks first
         tokens: list[tuple[Sequence, int]] = []  # (sequence, position) of each row of the flat batch
         segments: list[PrefillSegment] = []
         rows: list[int] = []  # the rows whose logits are computed
@@ -167,7 +176,8 @@ class ModelRunner:
             tables = to_device(padded, torch.int32, self.device)
             lens = to_device([len(seq.token_ids) for seq in decodes], torch.int32, self.device)
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in tokens]
-        meta = StepMetadata(self._tensor(slots), segments, num_prefill_tokens, tables, lens)
+        num_fresh = len(fresh) if batched else 0
+        meta = StepMetadata(self._tensor(slots), segments, num_prefill_tokens, tables, lens, num_fresh)
         return StepInputs(
             self._tensor([_token_at(seq, p) for seq, p in tokens]), self._tensor([p for _, p in tokens]), meta,
             self._tensor(rows), sample_seqs, sample_rows, prompt_rows,

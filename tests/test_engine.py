@@ -52,11 +52,24 @@ def _run(llm: LLM, prompts) -> list[list[int]]:
     ],
     ids=["default", "block8", "block32-nocache", "chunked", "chunked-by-1", "few-seqs", "tiny-pool"],
 )
-def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_args):
+@pytest.mark.parametrize("batched_prefill", [False, True], ids=["prompts-one-by-one", "prompts-in-one-call"])
+def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_args, batched_prefill):
+    """Prompts starting in a step attend one by one (the CPU's way) or in one call under a block-diagonal
+    mask (the GPU's way, taken here on the CPU), mixed with chunks of prompts already begun."""
     prompts, want = expected
     with LLM(str(tiny_checkpoint), **engine_args) as llm:
+        runner, in_one_call = llm.engine.runner, []
+        runner.batched_prefill, prepare = batched_prefill, runner.prepare
+
+        def recording(chunks):
+            inputs = prepare(chunks)
+            in_one_call.append(inputs.meta.num_fresh)
+            return inputs
+
+        runner.prepare = recording
         assert _run(llm, prompts) == want
         assert_all_free(llm)
+        assert (max(in_one_call) > 1) == batched_prefill
 
 
 def test_tiny_pool_really_preempts(tiny_checkpoint, expected):
@@ -74,14 +87,16 @@ def test_each_request_alone_equals_batched(tiny_checkpoint, expected):
             assert llm.generate([prompt], SamplingParams(max_tokens=m, ignore_eos=True))[0].token_ids == tokens
 
 
+@pytest.mark.parametrize("batched_prefill", [False, True], ids=["prompts-one-by-one", "prompts-in-one-call"])
 @pytest.mark.parametrize("budget", [2048, 3], ids=["default", "one-token-chunks"])
-def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference, budget):
+def test_prefix_cache_hits_give_the_same_tokens(tiny_checkpoint, reference, budget, batched_prefill):
     """With a budget of 3 tokens a step, a prompt admitted after a hit is computed in chunks that
     include single tokens of a partly computed prompt: those are prompt positions, not decodes."""
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 17], seed=8)] + [shared]
     want = [hf_greedy(reference, p, 10) for p in prompts]
     with LLM(str(tiny_checkpoint), max_num_batched_tokens=budget) as llm:
+        llm.engine.runner.batched_prefill = batched_prefill
         first = llm.generate(prompts[:1], SamplingParams(max_tokens=10, ignore_eos=True))
         rest = llm.generate(prompts[1:], SamplingParams(max_tokens=10, ignore_eos=True))
         assert llm.engine.blocks.num_hit_blocks >= 3 * 2  # 40 shared tokens = 2 full blocks of 16

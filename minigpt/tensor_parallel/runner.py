@@ -143,7 +143,7 @@ def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     meta = StepMetadata(
         convert(meta.slot_mapping), segments, meta.num_prefill_tokens,
-        None if tables is None else convert(tables), None if lens is None else convert(lens),
+        None if tables is None else convert(tables), None if lens is None else convert(lens), meta.num_fresh,
     )
     return StepInputs(convert(inputs.input_ids), convert(inputs.positions), meta, convert(inputs.logits_indices),
                       [], [], [])
