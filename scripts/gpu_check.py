@@ -9,8 +9,8 @@ Stages, each a child process with its own time budget (the run goes on past a fa
   checkpoints     random-weight checkpoints of gpt2's and gpt2-xl's shapes
   bench-gpt2      scripts/bench.py --device cuda: one stream, seed 000, seed 002 (batch 1..256), graphs on
                   and off, transformers on the same GPU
-  profile         scripts/profile_decode.py: where a gpt2 decode step's time goes, graphs on and off
   bench-gpt2-xl   one stream of gpt2-xl's shape: GB/s against the device's bandwidth
+  profile         scripts/profile_decode.py: where a gpt2 decode step's time goes, graphs on and off
 Writes gpu_check.log (every stage's output), gpu_check.json (each stage's status and the targets),
 pytest.xml, profile.txt and each bench's folder under --out. Runs from a source checkout with no install
 (PYTHONPATH=.): there `kernels/` is linked in as `minigpt/kernels`, as an install maps it.
@@ -19,6 +19,7 @@ pytest.xml, profile.txt and each bench's folder under --out. Runs from a source 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ V100_SEED000_S = 4.86  # seed 000's batched run: 100 queries x 64 tokens on a V1
 TEST_FILES = ["tests/test_kernels.py", "tests/test_triton_engine.py", "tests/test_cuda_graphs.py",
               "tests/test_half_precision.py"]
 PROBE_FILE = "environment.json"  # the probe's answer, folded into gpu_check.json
-GPT2_MODES = "minigpt:float32,minigpt:bfloat16,minigpt:bfloat16+eager,transformers:float32,transformers:bfloat16"
+GPT2_MODES = "minigpt:float32,minigpt:bfloat16,minigpt:bfloat16+eager,transformers:bfloat16"
 XL_MODES = "minigpt:bfloat16,minigpt:bfloat16+eager,transformers:bfloat16"
 
 
@@ -52,12 +53,13 @@ def stages(args: argparse.Namespace, checkpoints: Path) -> list[Stage]:
     sizes = "1,2" if dry else "1,2,4,8,16,32,64,128,256"
     small = ["--queries", "4", "--baseline-queries", "1", "--sweep-tokens", "4", "--repeats", "1"] if dry else []
     bench = [py, "scripts/bench.py", "--device", device, "--starts", "0", "--no-wait", *small]
+    parallel = ["-n", "4"] if importlib.util.find_spec("xdist") else []  # pytest-xdist, where it is installed
     profile = [py, "scripts/profile_decode.py", "--model", str(gpt2), "--device", device, "--out",
                str(out / "profile.txt"), "--dtype", "float32" if dry else "bfloat16"]
     return [
         Stage("environment", 90, [*([] if dry else [["nvidia-smi"]]),
                                   [py, __file__, "--probe", str(out / PROBE_FILE), "--device", device]]),
-        Stage("tests", 240, [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m",
+        Stage("tests", 180, [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *parallel, "-m",
                               "cuda" if dry else "cuda or triton", f"--junitxml={out / 'pytest.xml'}", *TEST_FILES]]),
         Stage("checkpoints", 120, [
             [py, "scripts/make_checkpoint.py", str(gpt2), "--preset", "gpt2", *(tiny if dry else [])],
@@ -66,10 +68,10 @@ def stages(args: argparse.Namespace, checkpoints: Path) -> list[Stage]:
         ]),
         Stage("bench-gpt2", 200, [[*bench, "--model", str(gpt2), "--workloads", "stream,seed000,seed002",
                                    "--batch-sizes", sizes, "--dtypes", GPT2_MODES, "--out", str(out / "bench-gpt2")]]),
-        Stage("profile", 60, [profile + ["--batch", "1"], profile + ["--batch", "1", "--enforce-eager"],
-                              profile + ["--batch", "64"]]),
         Stage("bench-gpt2-xl", 150, [[*bench, "--model", str(xl), "--workloads", "stream", "--dtypes", XL_MODES,
                                       "--out", str(out / "bench-gpt2-xl")]]),
+        Stage("profile", 60, [profile + ["--batch", "1"], profile + ["--batch", "1", "--enforce-eager"],
+                              profile + ["--batch", "64"]]),
     ]
 
 
@@ -135,8 +137,6 @@ def probe(device: str, path: Path) -> None:
 
 def link_source_kernels() -> None:
     """From a source checkout with no install, `minigpt.kernels` is `kernels/`, linked in as an install maps it."""
-    import importlib.util
-
     link = ROOT / "minigpt" / "kernels"
     try:
         found = importlib.util.find_spec("minigpt.kernels") is not None
