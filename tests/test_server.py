@@ -331,6 +331,8 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "logprobs": 21, "echo": True}, 400, "logprobs", "logprobs"),
     ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(60000)]}, 400, "stop", "at most 256 (max_stop_strings)"),
+    ({"prompt": "hi", "stop": ["x" * 9000] * 2}, 400, "stop", "at most 16384 in all (max_stop_chars)"),
     ({"prompt": [True]}, 400, "prompt", "token ids"),
     ({"prompt": []}, 400, "prompt", "empty"),
     ({"prompt": [50257]}, 400, "prompt", "vocabulary"),
