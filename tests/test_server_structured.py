@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -127,3 +128,39 @@ def test_missing_extra_is_a_400_naming_the_install(served, monkeypatch):
     assert out.status_code == 400, out.text
     error = out.json()["error"]
     assert error["param"] == "structured_outputs" and "pip install minigpt[structured]" in error["message"]
+
+
+@pytest.mark.parametrize("constraint", [{"regex": "a{1000}{1000}"},
+                                        {"choice": ["!", *(f"zoo {i}" for i in range(2500))]}])
+def test_a_grammar_that_would_fail_at_generation_is_a_400(served, constraint):
+    """llguidance validates these, then fails at the first token: refused at submission, without the ~1 KB
+    of parser state its error carries."""
+    out = complete(served, structured_outputs=constraint)
+    assert out.status_code == 400, out.text
+    error = out.json()["error"]
+    assert error["param"] == "structured_outputs" and "<state>" not in error["message"], error
+
+
+def test_grammars_compile_off_the_event_loop(served, monkeypatch):
+    """While a grammar compiles (held here), the server answers /health and other requests."""
+    from minigpt.grammar import GrammarCompiler
+
+    entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
+
+    def held(self, params):
+        entered.set()
+        release.wait()
+        return compile(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", held)
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(complete(served, structured_outputs={"regex": "[ab]"})))
+    sender.start()
+    try:
+        assert entered.wait(60), "the constrained request never reached the grammar compiler"
+        assert httpx.get(f"{served.url}/health").status_code == 200
+        assert complete(served, n=1, max_tokens=2).status_code == 200
+    finally:
+        release.set()
+        sender.join()
+    assert all(text in ("a", "b") for text in texts(answer[0]))

@@ -102,11 +102,11 @@ class CompletionServer:
         if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
             params: SamplingParams | BeamSearchParams = body.beam_search_params()
             n = 1 if body.n is None else body.n
-            handles = self.submit(prompts, params)
+            handles = await self.submit(prompts, params)
         else:
             params = body.sampling_params()
             n = params.n
-            handles = self.submit(prompts, params, body.structured_param)
+            handles = await self.submit(prompts, params, body.structured_param)
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
                 events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
@@ -125,9 +125,20 @@ class CompletionServer:
                    for c in protocol.completion_choices(out, i * n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
-               structured_param: str = "structured_outputs") -> list[RequestHandle]:
-        """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
+    async def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
+                     structured_param: str = "structured_outputs") -> list[RequestHandle]:
+        """One engine request per prompt; all or none (a refused prompt cancels those already queued). Made in
+        a worker thread: tokenizing long prompts and compiling a grammar (up to seconds) never hold the event
+        loop; requests made for a client that left meanwhile are cancelled."""
+        made = asyncio.get_running_loop().run_in_executor(None, self._submit, prompts, params, structured_param)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(_cancel_handles)
+            raise
+
+    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
+                structured_param: str) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         if len(prompts) > self.llm.config.max_waiting:  # a 503 would tell the client to retry in vain
             raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
@@ -199,3 +210,9 @@ class CompletionServer:
         finally:  # the client went away (Starlette cancels this generator) or the stream ended
             for handle in handles:
                 handle.cancel()
+
+
+def _cancel_handles(made: asyncio.Future) -> None:
+    if not made.cancelled() and made.exception() is None:
+        for handle in made.result():
+            handle.cancel()

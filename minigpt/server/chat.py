@@ -115,7 +115,7 @@ class ChatServer:
         try:
             params = completion.sampling_params()
             completion.prompts()  # the request-size checks of /v1/completions
-            handles = server.submit([prompt], params, completion.structured_param)
+            handles = await server.submit([prompt], params, completion.structured_param)
         except APIError as err:
             if body.max_completion_tokens is not None:  # the request's name for what completions call max_tokens
                 err.message = err.message.replace("max_tokens", "max_completion_tokens")
