@@ -63,8 +63,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        """200 while the engine can serve; else 503 with the reason (an orchestrator restarts the server)."""
+        problem = llm.problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -1,0 +1,76 @@
+"""Faults an orchestrator or a hostile client brings, each reproduced on a server of its own (loopback only)
+and shown held: /health tells an engine that cannot serve from one that can, with the reason."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_server import MODEL, Gate, Served, run_server
+
+from minigpt import AsyncLLM, SamplingParams
+from minigpt.server.app import build_app
+
+
+@pytest.fixture
+def fragile(checkpoint_factory) -> Iterator[Served]:
+    """An engine for one test, which may break it; a step counts as hung after a second."""
+    with AsyncLLM(str(checkpoint_factory()), kv_cache_tokens=1024, hung_step_seconds=1) as llm:
+        with run_server(build_app(llm, MODEL)) as url:
+            yield Served(url, llm)
+
+
+def health(served: Served) -> tuple[int, dict]:
+    response = httpx.get(f"{served.url}/health")
+    return response.status_code, response.json()
+
+
+def wait_for_health(served: Served, status: int) -> dict:
+    """The /health body once it answers `status` (bounded poll)."""
+    for _ in range(1000):
+        code, body = health(served)
+        if code == status:
+            return body
+        time.sleep(0.01)
+    raise AssertionError(f"/health still answers {code}: {body}")
+
+
+def test_health_is_503_while_a_step_hangs(fragile, monkeypatch):
+    gate = Gate(fragile.llm, monkeypatch)
+    sender = threading.Thread(target=lambda: httpx.post(f"{fragile.url}/v1/completions",
+                                                        json={"prompt": "hi", "max_tokens": 2}, timeout=None))
+    sender.start()
+    try:
+        assert gate.entered.wait(60), "the request never reached the engine"
+        body = wait_for_health(fragile, 503)
+        assert body["status"] == "unhealthy" and "past hung_step_seconds=1" in body["reason"], body
+    finally:
+        gate.release()
+        sender.join()
+    assert health(fragile) == (200, {"status": "ok"})  # the step ended: the engine serves again
+
+
+def test_health_is_503_once_the_engine_thread_fails(fragile, monkeypatch):
+    def broken() -> bool:
+        raise RuntimeError("injected loop fault")
+
+    monkeypatch.setattr(fragile.llm, "_serve_once", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's own traceback
+    fragile.llm.submit("hi", SamplingParams(max_tokens=1))  # the loop, waiting for work, goes round once more
+    body = wait_for_health(fragile, 503)
+    assert body == {"status": "unhealthy", "reason": "the engine thread failed: RuntimeError: injected loop fault"}
+    response = httpx.post(f"{fragile.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 503
+
+
+def test_health_names_a_runner_that_cannot_run(fragile, monkeypatch):
+    monkeypatch.setattr(fragile.llm.engine.runner, "problem", lambda: "tensor-parallel rank 1 exited (exit code -9)")
+    assert health(fragile) == (503, {"status": "unhealthy", "reason": "tensor-parallel rank 1 exited (exit code -9)"})
+
+
+def test_health_is_503_after_close(fragile):
+    fragile.llm.close()
+    assert health(fragile) == (503, {"status": "unhealthy", "reason": "the engine is stopped"})
