@@ -13,6 +13,7 @@ On SIGTERM (or Ctrl-C) it stops accepting connections, lets the requests in flig
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from minigpt.progress import log_to_stderr
 from minigpt.weights import resolve_checkpoint
 
 MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
+API_KEY_ENV = "MINIGPT_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
@@ -31,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     http.add_argument("--port", type=port_number, default=8000)
-    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    key = http.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 (ps shows it: "
+                     f"prefer --api-key-file or ${API_KEY_ENV})")
+    key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                     help=f"read the API key from FILE (default: ${API_KEY_ENV}, if set)")
     http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
     http.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
@@ -47,6 +53,20 @@ def port_number(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"a port is a number in [0, 65535], got {text!r}")
     return int(text)
+
+
+def api_key_from(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The API key (None: none) and where it came from: --api-key, --api-key-file (its text, without the
+    surrounding whitespace), else the environment."""
+    if args.api_key is not None:
+        return args.api_key, "--api-key"
+    if args.api_key_file is not None:
+        where = f"--api-key-file {args.api_key_file}"
+        try:
+            return args.api_key_file.read_text(encoding="utf-8").strip(), where
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{where}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
+    return os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -65,15 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
+        api_key, where = api_key_from(args)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
         import jinja2  # noqa: F401  (the server extra, checked here even when its modules are loaded already)
         import uvicorn  # noqa: F401
 
         from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
         from minigpt.server.chat_template import ChatTemplate
+        from minigpt.server.middleware import check_api_key
         from minigpt.server.shutdown import serve
     except ImportError as err:
         print(f"minigpt.serve: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
         return 2
+    if api_key is not None:
+        try:
+            check_api_key(api_key)
+        except ValueError as err:
+            parser.error(f"{where}: {err}")
     from minigpt.async_engine import AsyncLLM
 
     try:
@@ -89,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minigpt.serve: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
     try:
-        app = build_app(llm, args.served_model_name or args.model, args.api_key,
+        app = build_app(llm, args.served_model_name or args.model, api_key,
                         args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, template)
         serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout)
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -542,9 +543,9 @@ def free_port() -> int:
 def test_cli_serves_with_an_api_key(checkpoint):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port), "--api-key", "k",
+        [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port),
          "--served-model-name", MODEL, "--threads", "1", "--max-waiting", "8", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MINIGPT_API_KEY": "k"})
     try:
         for _ in range(6000):
             try:

@@ -74,3 +74,51 @@ def test_health_names_a_runner_that_cannot_run(fragile, monkeypatch):
 def test_health_is_503_after_close(fragile):
     fragile.llm.close()
     assert health(fragile) == (503, {"status": "unhealthy", "reason": "the engine is stopped"})
+
+
+# -- the API key ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint_factory) -> Iterator[AsyncLLM]:
+    with AsyncLLM(str(checkpoint_factory()), kv_cache_tokens=1024) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("key", ["", " ", "two words", "clé", "tab\tkey"])
+def test_a_key_no_client_can_send_is_refused(llm, key):
+    """An empty key would let `Authorization: Bearer ` in; one with spaces or past ASCII could never match."""
+    with pytest.raises(ValueError, match="an API key must be 1 or more visible ASCII characters"):
+        build_app(llm, MODEL, api_key=key)
+
+
+@pytest.mark.parametrize(("argv", "env", "says"), [
+    (["--api-key", ""], None, "--api-key: an API key must be 1 or more visible ASCII characters, without spaces "
+                              "(it is empty)"),
+    ([], "", "$MINIGPT_API_KEY: an API key must be"),
+    (["--api-key-file", "/no/such/file"], None, "--api-key-file /no/such/file: cannot read it (No such file"),
+    (["--api-key", "k", "--api-key-file", "f"], None, "not allowed with argument"),
+])
+def test_cli_refuses_a_bad_key_in_one_line_before_loading(monkeypatch, capsys, argv, env, says):
+    from minigpt import serve
+
+    if env is not None:
+        monkeypatch.setenv("MINIGPT_API_KEY", env)
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--model", "/no/such/dir", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_the_key_comes_from_the_flag_a_file_or_the_environment(monkeypatch, tmp_path):
+    from minigpt import serve
+
+    parse = serve.build_parser().parse_args
+    monkeypatch.delenv("MINIGPT_API_KEY", raising=False)
+    assert serve.api_key_from(parse([])) == (None, "$MINIGPT_API_KEY")
+    monkeypatch.setenv("MINIGPT_API_KEY", "from-env")
+    assert serve.api_key_from(parse([])) == ("from-env", "$MINIGPT_API_KEY")
+    assert serve.api_key_from(parse(["--api-key", "flag"])) == ("flag", "--api-key")
+    (tmp_path / "key").write_text("from-file\n")
+    assert serve.api_key_from(parse(["--api-key-file", str(tmp_path / "key")]))[0] == "from-file"

@@ -26,7 +26,7 @@ from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, install_handlers, invalid
-from minigpt.server.middleware import BearerAuth, BodySizeLimit
+from minigpt.server.middleware import BearerAuth, BodySizeLimit, check_api_key
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.server.tokenization import Tokenization
@@ -41,7 +41,10 @@ def build_app(
     chat_template: ChatTemplate | None = None,
 ) -> FastAPI:
     """An app serving `llm` under `model_name`; with `api_key`, /v1 and the tokenizer endpoints ask for
-    `Authorization: Bearer <key>`. Without `chat_template`, /v1/chat/completions answers 400."""
+    `Authorization: Bearer <key>` (ValueError for a key no client can send: empty, spaces, not ASCII).
+    Without `chat_template`, /v1/chat/completions answers 400."""
+    if api_key is not None:
+        check_api_key(api_key)
     app = FastAPI(title="minigpt", version=__version__)
     install_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)

@@ -6,10 +6,20 @@ The key is checked first: a client without it cannot make the server buffer a bo
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minigpt.server.errors import APIError
+
+API_KEY = re.compile(r"[\x21-\x7e]+")  # what a client can send after "Bearer ": visible ASCII, no spaces
+
+
+def check_api_key(api_key: str) -> None:
+    """ValueError unless `api_key` is a key a client can send (an empty one would let `Bearer ` in)."""
+    if not API_KEY.fullmatch(api_key):
+        raise ValueError("an API key must be 1 or more visible ASCII characters, without spaces"
+                         + (" (it is empty)" if not api_key else ""))
 
 
 class BearerAuth:
