@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                      f"prefer --api-key-file or ${API_KEY_ENV})")
     key.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                      help=f"read the API key from FILE (default: ${API_KEY_ENV}, if set)")
-    http.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model name clients send (default: a hub id as given, a local checkpoint's folder name)")
     http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
     http.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                       help="Jinja chat template for /v1/chat/completions (default: the checkpoint's, if it has one)")
@@ -53,6 +54,13 @@ def port_number(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"a port is a number in [0, 65535], got {text!r}")
     return int(text)
+
+
+def served_name(model: str) -> str:
+    """What clients call `model` when --served-model-name is not given: a local checkpoint by its folder's name,
+    so no answer shows where it lies on disk; a hub id (gpt2, openai-community/gpt2) as it is."""
+    path = Path(model)
+    return (path.resolve().name or model) if path.is_dir() else model
 
 
 def api_key_from(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minigpt.serve: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
     try:
-        app = build_app(llm, args.served_model_name or args.model, api_key,
+        app = build_app(llm, args.served_model_name or served_name(args.model), api_key,
                         args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, template)
         serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout)
     finally:

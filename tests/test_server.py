@@ -541,10 +541,11 @@ def free_port() -> int:
 
 
 def test_cli_serves_with_an_api_key(checkpoint):
+    """The key from $MINIGPT_API_KEY; the model served by its folder's name, never its path."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port),
-         "--served-model-name", MODEL, "--threads", "1", "--max-waiting", "8", "--log-level", "warning"],
+         "--threads", "1", "--max-waiting", "8", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MINIGPT_API_KEY": "k"})
     try:
         for _ in range(6000):
@@ -555,7 +556,11 @@ def test_cli_serves_with_an_api_key(checkpoint):
                 assert proc.poll() is None, proc.stdout.read().decode()
                 time.sleep(0.02)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
-        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert [m.id for m in client.models.list().data] == [checkpoint.name]
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert str(checkpoint.parent) not in missing.value.message
+        assert client.completions.create(model=checkpoint.name, prompt="hi", max_tokens=3).usage.completion_tokens == 3
     finally:
         proc.terminate()
         proc.wait()

@@ -122,3 +122,19 @@ def test_the_key_comes_from_the_flag_a_file_or_the_environment(monkeypatch, tmp_
     assert serve.api_key_from(parse(["--api-key", "flag"])) == ("flag", "--api-key")
     (tmp_path / "key").write_text("from-file\n")
     assert serve.api_key_from(parse(["--api-key-file", str(tmp_path / "key")]))[0] == "from-file"
+
+
+# -- no local paths in answers ----------------------------------------------------------------------
+
+
+def test_a_local_checkpoint_is_served_by_its_folder_name(tmp_path, monkeypatch):
+    from minigpt.serve import served_name
+
+    checkpoint = tmp_path / "ckpts" / "my-gpt2"
+    checkpoint.mkdir(parents=True)
+    assert served_name(str(checkpoint)) == served_name(f"{checkpoint}/") == "my-gpt2"
+    monkeypatch.chdir(checkpoint.parent)
+    assert served_name("my-gpt2") == served_name("./my-gpt2/") == "my-gpt2"
+    monkeypatch.chdir(checkpoint)
+    assert served_name(".") == "my-gpt2"
+    assert served_name("gpt2") == "gpt2" and served_name("openai-community/gpt2") == "openai-community/gpt2"
