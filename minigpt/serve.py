@@ -20,6 +20,7 @@ from pathlib import Path
 
 from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.progress import log_to_stderr
+from minigpt.server.limits import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from minigpt.weights import resolve_checkpoint
 
 MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
@@ -40,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"read the API key from FILE (default: ${API_KEY_ENV}, if set)")
     http.add_argument("--served-model-name", default=None,
                       help="the model name clients send (default: a hub id as given, a local checkpoint's folder name)")
-    http.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      help="largest request body (%(default)s: 1 MiB)")
+    http.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT, metavar="SECONDS",
+                      help="a client has this long to send a request's headers, and again its body (%(default)s)")
+    http.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                      help="connections and requests in flight past which a new request gets 503 (%(default)s)")
     http.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                       help="Jinja chat template for /v1/chat/completions (default: the checkpoint's, if it has one)")
     http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
@@ -88,8 +94,12 @@ def check_can_listen(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+    if args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be a positive number of bytes")
+    if not args.read_timeout > 0:
+        parser.error(f"--read-timeout must be a number of seconds > 0, got {args.read_timeout}")
+    if args.limit_concurrency < 1:
+        parser.error(f"--limit-concurrency must be a positive number, got {args.limit_concurrency}")
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         import jinja2  # noqa: F401  (the server extra, checked here even when its modules are loaded already)
         import uvicorn  # noqa: F401
 
-        from minigpt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+        from minigpt.server.app import build_app
         from minigpt.server.chat_template import ChatTemplate
         from minigpt.server.middleware import check_api_key
         from minigpt.server.shutdown import serve
@@ -127,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minigpt.serve: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
     try:
-        app = build_app(llm, args.served_model_name or served_name(args.model), api_key,
-                        args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, template)
-        serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout)
+        app = build_app(llm, args.served_model_name or served_name(args.model), api_key, args.max_body_bytes, template,
+                        args.read_timeout)
+        serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout, args.read_timeout,
+              args.limit_concurrency)
     finally:
         llm.close()
     return 0

@@ -3,16 +3,22 @@ and shown held: /health tells an engine that cannot serve from one that can, wit
 
 from __future__ import annotations
 
+import json
+import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
+import uvicorn
 from test_server import MODEL, Gate, Served, run_server
 
 from minigpt import AsyncLLM, SamplingParams
 from minigpt.server.app import build_app
+from minigpt.server.connections import uvicorn_config
 
 
 @pytest.fixture
@@ -138,3 +144,104 @@ def test_a_local_checkpoint_is_served_by_its_folder_name(tmp_path, monkeypatch):
     monkeypatch.chdir(checkpoint)
     assert served_name(".") == "my-gpt2"
     assert served_name("gpt2") == "gpt2" and served_name("openai-community/gpt2") == "openai-community/gpt2"
+
+
+# -- slow clients and too many of them --------------------------------------------------------------
+
+
+@contextmanager
+def run_configured(app, read_timeout: float, limit_concurrency: int = 512) -> Iterator[tuple[str, int]]:
+    """The app under the CLI's uvicorn config on a free port; yields (host, port)."""
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, "warning", read_timeout, limit_concurrency, 5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(2000):
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield "127.0.0.1", server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (the socket's timeout, far past the server's,
+    bounds a wait on a server that never closes)."""
+    sock.settimeout(60)
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    return received
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (its headers, then Content-Length bytes of body)."""
+    sock.settimeout(60)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(4096)
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+
+
+def test_a_client_slow_with_its_headers_or_its_body_loses_its_connection(llm):
+    with run_configured(build_app(llm, MODEL, read_timeout=0.5), read_timeout=0.5) as address:
+        with socket.create_connection(address) as slowloris:  # half its headers, then nothing
+            slowloris.sendall(HEAD)
+            assert read_until_closed(slowloris) == b""
+        with socket.create_connection(address) as silent:  # connects, sends nothing
+            assert read_until_closed(silent) == b""
+        with socket.create_connection(address) as short:  # announces 1,000 bytes, sends 10
+            short.sendall(HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+            answer = read_until_closed(short)
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within the server's 0.5 s" in answer
+        with socket.create_connection(address) as kept:  # a whole request, then half the next one's headers
+            kept.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert read_response(kept).startswith(b"HTTP/1.1 200 ")
+            kept.sendall(b"GET /health HTTP/1.1\r\n")
+            assert read_until_closed(kept) == b""
+        with socket.create_connection(address) as prompt:  # headers and body in pieces, each in time
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            for piece in (HEAD, b"Content-Length: %d\r\n\r\n" % len(body), body[:5], body[5:]):
+                prompt.sendall(piece)
+            assert read_response(prompt).startswith(b"HTTP/1.1 200 ")
+
+
+def test_requests_past_the_concurrency_limit_get_503(llm):
+    with run_configured(build_app(llm, MODEL), read_timeout=60, limit_concurrency=3) as address:
+        url = f"http://{address[0]}:{address[1]}/health"
+        assert httpx.get(url).status_code == 200
+        with socket.create_connection(address), socket.create_connection(address):
+            for _ in range(500):  # until the server has taken both connections (a bounded poll)
+                if (response := httpx.get(url)).status_code == 503:
+                    break
+                time.sleep(0.01)
+            assert response.status_code == 503
+        for _ in range(500):
+            if (response := httpx.get(url)).status_code == 200:
+                break
+            time.sleep(0.01)
+        assert response.status_code == 200
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--read-timeout", "0"], "--read-timeout must be a number of seconds > 0, got 0.0"),
+    (["--limit-concurrency", "0"], "--limit-concurrency must be a positive number, got 0"),
+])
+def test_cli_refuses_bad_connection_limits_before_loading(capsys, argv, says):
+    from minigpt import serve
+
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--model", "/no/such/dir", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

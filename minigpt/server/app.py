@@ -26,28 +26,28 @@ from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, install_handlers, invalid
-from minigpt.server.middleware import BearerAuth, BodySizeLimit, check_api_key
+from minigpt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
+from minigpt.server.middleware import BearerAuth, BodyLimits, check_api_key
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.server.tokenization import Tokenization
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def build_app(
     llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatTemplate | None = None, read_timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> FastAPI:
     """An app serving `llm` under `model_name`; with `api_key`, /v1 and the tokenizer endpoints ask for
     `Authorization: Bearer <key>` (ValueError for a key no client can send: empty, spaces, not ASCII).
-    Without `chat_template`, /v1/chat/completions answers 400."""
+    Without `chat_template`, /v1/chat/completions answers 400. A body must arrive within `read_timeout` seconds."""
     if api_key is not None:
         check_api_key(api_key)
     app = FastAPI(title="minigpt", version=__version__)
     install_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=read_timeout)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, prefix=("/v1", *TOKENIZER_PATHS))  # added last: runs first
     server = CompletionServer(llm, model_name)

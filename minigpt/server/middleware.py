@@ -1,10 +1,11 @@
-"""API key and body size checks, as plain ASGI middleware so they run before anything reads the body.
+"""API key and body checks (size, time), as plain ASGI middleware so they run before anything reads the body.
 
 The key is checked first: a client without it cannot make the server buffer a body at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 
@@ -45,13 +46,16 @@ class BearerAuth:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
-class BodySizeLimit:
+class BodyLimits:
     """A declared Content-Length over the limit is refused before a byte is read; a chunked body is
-    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more."""
+    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more.
+    A body that has not all arrived `timeout` seconds after its headers is answered 408, and its
+    connection closed: a client that announces 1,000 bytes and sends 10 holds nothing for long."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,15 +66,22 @@ class BodySizeLimit:
             await self._refuse(scope, receive, send)
             return
         body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
+        try:
+            async with asyncio.timeout(self.timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_bytes:
+                        await self._refuse(scope, receive, send)
+                        return
+        except TimeoutError:
+            error = APIError(408, f"the request body did not arrive within the server's {self.timeout:g} s",
+                             code="request_timeout", headers={"Connection": "close"})
+            await error.response()(scope, receive, send)
+            return
         await self.app(scope, _replay(bytes(body), receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
