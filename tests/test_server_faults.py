@@ -3,7 +3,10 @@ and shown held: /health tells an engine that cannot serve from one that can, wit
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import logging
 import re
 import socket
 import threading
@@ -14,7 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import uvicorn
-from test_server import MODEL, Gate, Served, run_server
+from test_server import MODEL, N_POSITIONS, Gate, Served, run_server, wait_idle
 
 from minigpt import AsyncLLM, SamplingParams
 from minigpt.server.app import build_app
@@ -87,7 +90,7 @@ def test_health_is_503_after_close(fragile):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_factory) -> Iterator[AsyncLLM]:
-    with AsyncLLM(str(checkpoint_factory()), kv_cache_tokens=1024) as llm:
+    with AsyncLLM(str(checkpoint_factory(n_positions=N_POSITIONS)), kv_cache_tokens=4096) as llm:
         yield llm
 
 
@@ -245,3 +248,37 @@ def test_cli_refuses_bad_connection_limits_before_loading(capsys, argv, says):
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+# -- log noise --------------------------------------------------------------------------------------
+
+
+def test_a_client_leaving_a_plain_request_logs_no_traceback(llm, caplog):
+    """Each disconnect is at most one line (uvicorn's access line), never asyncio's 'exception was never
+    retrieved' with a CancelledError traceback."""
+    caplog.set_level(logging.INFO)
+
+    async def leave(url: str) -> None:
+        before = llm.metrics().requests_total
+        body = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True}
+        async with httpx.AsyncClient() as client:
+            request = asyncio.create_task(client.post(f"{url}/v1/completions", json=body))
+            for _ in range(2000):  # until the engine has the request (a bounded poll)
+                if llm.metrics().requests_total > before:
+                    break
+                await asyncio.sleep(0.01)
+            request.cancel()  # drops the connection
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    with run_server(build_app(llm, MODEL)) as url:
+        for _ in range(3):
+            caplog.clear()
+            asyncio.run(leave(url))
+            wait_idle(llm)
+            gc.collect()  # asyncio logs an unretrieved exception when its future is collected
+            noisy = [r for r in caplog.records if r.exc_info or "never retrieved" in r.getMessage()]
+            assert not noisy, [r.getMessage() for r in noisy]
+            server = [r for r in caplog.records if r.levelno >= logging.INFO
+                      and r.name.split(".")[0] in ("minigpt", "uvicorn", "asyncio", "starlette", "fastapi")]
+            assert len(server) <= 1, [r.getMessage() for r in server]
