@@ -4,15 +4,17 @@ it came from, never a 500; the OpenAPI schema describes both fields."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server import MODEL, N_POSITIONS, Served, run_server
+from test_server import MODEL, N_POSITIONS, Served, run_server, wait_idle
 
 from minigpt import AsyncLLM
 from minigpt.grammar import compiler_for
@@ -164,3 +166,36 @@ def test_grammars_compile_off_the_event_loop(served, monkeypatch):
         release.set()
         sender.join()
     assert all(text in ("a", "b") for text in texts(answer[0]))
+
+
+def test_a_client_gone_while_its_grammar_compiles_leaves_no_request_running(served, monkeypatch):
+    from minigpt.grammar import GrammarCompiler
+
+    entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
+
+    def held(self, params):
+        entered.set()
+        release.wait()
+        return compile(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", held)
+    before = served.llm.metrics()
+
+    async def leave() -> None:
+        body = {"prompt": "Hello", "max_tokens": 500, "structured_outputs": {"regex": "[ab]{500}"}}
+        async with httpx.AsyncClient() as client:
+            request = asyncio.create_task(client.post(f"{served.url}/v1/completions", json=body))
+            assert await asyncio.to_thread(entered.wait, 60), "the request never reached the grammar compiler"
+            request.cancel()  # drops the connection while the request is being made
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave())
+    release.set()
+    for _ in range(2000):  # until the handler, which goes on after the client left, has made the request
+        if served.llm.metrics().requests_total > before.requests_total:
+            break
+        time.sleep(0.01)
+    after = wait_idle(served.llm)
+    assert after.requests_total == before.requests_total + 1
+    assert after.finish_reasons.get("abort", 0) == before.finish_reasons.get("abort", 0) + 1
