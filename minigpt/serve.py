@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--served-model-name", default=None,
                       help="the model name clients send (default: a hub id as given, a local checkpoint's folder name)")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                      help="largest request body (%(default)s: 1 MiB)")
+                      help="largest request body in bytes (%(default)s)")
     http.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT, metavar="SECONDS",
                       help="a client has this long to send a request's headers, and again its body (%(default)s)")
     http.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
