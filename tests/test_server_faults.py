@@ -1,5 +1,7 @@
-"""Faults an orchestrator or a hostile client brings, each reproduced on a server of its own (loopback only)
-and shown held: /health tells an engine that cannot serve from one that can, with the reason."""
+"""Faults an orchestrator or a hostile client brings, each reproduced on loopback servers of these tests and
+shown held: /health tells an engine that cannot serve from one that can, with the reason; slow clients and
+too many of them lose their connection or get 503; a key no client can send is refused; no answer shows
+a local path; a client that leaves logs no traceback."""
 
 from __future__ import annotations
 
