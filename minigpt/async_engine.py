@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Literal
 
@@ -57,6 +58,8 @@ class AsyncLLM:
         self._inbox: deque[tuple[Command, RequestHandle]] = deque()
         self._closed = False
         self._active: dict[int, RequestHandle] = {}  # engine thread only
+        self._step_started: float | None = None  # monotonic time of the step running now
+        self._loop_error: str | None = None  # what ended the engine thread, when not close()
         self._thread = threading.Thread(target=self._run, name="minigpt-engine", daemon=True)
         self._thread.start()
 
@@ -73,6 +76,19 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """True while the engine thread serves requests (False after close() or a crash of its loop)."""
         return not self._closed and self._thread.is_alive()
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve requests now (for a health check); None while it can: stopped, its
+        thread ended by an error, a step running past hung_step_seconds, a tensor-parallel rank gone."""
+        if self._loop_error is not None:
+            return f"the engine thread failed: {self._loop_error}"
+        if not self.is_running:
+            return "the engine is stopped"
+        started = self._step_started
+        if started is not None and time.monotonic() - started >= self.config.hung_step_seconds:
+            return (f"an engine step has run for {time.monotonic() - started:.0f} s, past hung_step_seconds="
+                    f"{self.config.hung_step_seconds}")
+        return self.engine.runner.problem()
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
@@ -131,6 +147,9 @@ class AsyncLLM:
             with torch.inference_mode():  # grad mode is per thread
                 while self._serve_once():
                     pass
+        except BaseException as err:
+            self._loop_error = f"{type(err).__name__}: {err}"
+            raise
         finally:  # closed, or a bug in this loop: never leave a caller waiting
             with self._wakeup:
                 self._closed = True
@@ -164,11 +183,14 @@ class AsyncLLM:
 
     def _step(self) -> list[RequestHandle]:
         """Run one step; returns the handles with news. A failing step fails its requests only."""
+        self._step_started = time.monotonic()
         try:
             sampled = self.engine.step()
         except Exception:  # the step failed its own requests; the others go on
             logger.exception("engine step failed")
             return list(self._active.values())
+        finally:
+            self._step_started = None
         ids = dict.fromkeys(seq.request_id for seq in sampled)
         return [self._active[request_id] for request_id in ids if request_id in self._active]  # not yet delivered
 

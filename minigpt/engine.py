@@ -99,6 +99,7 @@ class Engine:
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
                                  f"[0, {self.vocab_limit})")
+        self._check_stop(params.stop)
         held_back = {*params.stop_token_ids, *self.eos_token_ids}  # what min_tokens suppresses
         if params.min_tokens and params.allowed_token_ids and held_back.issuperset(params.allowed_token_ids):
             raise ValueError(
@@ -130,6 +131,16 @@ class Engine:
                 Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, limit, grammar)
             )
         return request
+
+    def _check_stop(self, stop: tuple[str, ...]) -> None:
+        config = self.config
+        if len(stop) > config.max_stop_strings:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; this engine takes at most "
+                             f"{config.max_stop_strings} (max_stop_strings)")
+        chars = sum(map(len, stop))
+        if chars > config.max_stop_chars:
+            raise ValueError(f"SamplingParams.stop holds {chars} characters; this engine takes at most "
+                             f"{config.max_stop_chars} in all (max_stop_chars)")
 
     def make_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> BeamGroup:
         """Validate and tokenize a beam-search prompt; raises ValueError naming the problem."""

@@ -55,6 +55,10 @@ class EngineConfig:
         None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
     )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
+    # bounds on one request's work, and on a step's
+    max_stop_strings: int = _setting(256, "stop strings a request may give")
+    max_stop_chars: int = _setting(16384, "characters a request's stop strings may hold in all")
+    hung_step_seconds: int = _setting(60, "a step running this long makes the engine unhealthy (a hung rank or device)")
     speculative_config: dict | None = _setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'
@@ -66,6 +70,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting",
                      "tensor_parallel_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_stop_strings", "max_stop_chars", "hung_step_seconds"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:

@@ -77,7 +77,9 @@ class GrammarCompiler:
         self._executor = self._llg.LLExecutor(max(1, torch.get_num_threads()))
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """llguidance's grammar for `params`; ValueError naming the field when it is not a valid one."""
+        """llguidance's grammar for `params`; ValueError naming the field when it is not a valid one, or when
+        it fails on its first token (a lexer or parser past llguidance's limits: a regex like a{1000}{1000},
+        a choice among thousands). Takes up to seconds for a large grammar: call it off an event loop."""
         key = params.key
         with self._lock:
             grammar = self._grammars.get(key)
@@ -86,9 +88,25 @@ class GrammarCompiler:
             error = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
             if error:
                 raise ValueError(f"StructuredOutputsParams.{params.kind} is not valid: {error.strip()}")
+            error = self._first_token_error(grammar)
+            if error:
+                raise ValueError(f"StructuredOutputsParams.{params.kind} cannot be generated: {error}")
             with self._lock:
                 self._grammars[key] = grammar
         return grammar
+
+    def _first_token_error(self, grammar: str) -> str | None:
+        """Why a matcher of `grammar` fails to compute its first mask or to take a token it allows, if it does:
+        llguidance finds its limits there, not when it validates the grammar."""
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        mask = matcher.compute_bitmask()
+        first = next((i for i, byte in enumerate(mask) if byte), None)
+        if matcher.is_error() or first is None:
+            return first_line(matcher.get_error()) or "it allows no token"
+        token = first * 8 + (mask[first] & -mask[first]).bit_length() - 1
+        if not matcher.consume_token(token):
+            return first_line(matcher.get_error())
+        return None
 
     def _grammar(self, params: StructuredOutputsParams) -> str:
         m = self._llg.LLMatcher
@@ -101,6 +119,10 @@ class GrammarCompiler:
         if params.regex is not None:
             return m.grammar_from_regex(params.regex)
         if params.choice is not None:  # Lark string literals are JSON strings
+            most = self._llg.LLParserLimits().max_items_in_row - 1  # the parser's row holds every option and one more
+            if len(params.choice) > most:
+                raise ValueError(f"StructuredOutputsParams.choice has {len(params.choice)} options; llguidance's "
+                                 f"parser can generate at most {most}")
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
         return m.grammar_from_lark(params.grammar)
 
@@ -147,7 +169,11 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        return first_line(self.matcher.get_error())  # the rest is ~1 KB of parser state
+
+
+def first_line(error: str) -> str:
+    return error.strip().split("\n", 1)[0]
 
 
 def _num_members(schema: Any) -> int:

@@ -193,6 +193,10 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
 
+    def problem(self) -> str | None:
+        """Why this runner cannot run steps, if it cannot (a tensor-parallel rank gone); None: it can."""
+        return None
+
     def close(self) -> None:
         """Free the KV pool and the compiled steps."""
         self.pool.kv = torch.empty(0)

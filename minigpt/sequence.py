@@ -2,8 +2,9 @@
 
 A `Sequence` owns its block table and knows how many of its tokens already have K/V in the
 pool (`num_computed_tokens`); the scheduler only moves that counter forward (or back to zero
-on preemption). Text is decoded incrementally as tokens arrive, stop strings are searched
-across token boundaries, and the returned text ends before the stop string, as OpenAI does.
+on preemption). Text is decoded incrementally as tokens arrive, stop strings are matched across
+token boundaries (one automaton, minigpt/stop_strings.py), and the returned text ends before the
+first stop string completed, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.stop_strings import stop_strings
 from minigpt.tokenizer import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ class Sequence:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self._decoder = IncrementalDecoder(tokenizer)
+        self._stops = stop_strings(params.stop) if params.stop else None
+        self._stop_state = 0  # where the text so far leaves the stop strings' automaton
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
@@ -124,16 +128,15 @@ class Sequence:
             self._finish("length", self._decoder.flush())
 
     def _extend_text(self, delta: str) -> None:
-        if not delta:
-            return
-        searched_from = len(self.text)
+        start = len(self.text)
         self.text += delta
-        for stop in self.params.stop:
-            index = self.text.find(stop, max(0, searched_from - len(stop) + 1))
-            if index != -1 and len(self.output_token_ids) > self.params.min_tokens:
-                self.text = self.text[:index]
-                self._finish("stop", "")
-                return
+        if self._stops is None:
+            return
+        find = len(self.output_token_ids) > self.params.min_tokens
+        self._stop_state, index = self._stops.scan(self._stop_state, delta, find)
+        if index is not None:
+            self.text = self.text[: start + index]
+            self._finish("stop", "")
 
     def _finish(self, reason: str, tail: str) -> None:
         self.text += tail
@@ -152,8 +155,8 @@ class Sequence:
     def take_text_delta(self) -> str:
         """Text not yet streamed, holding back a tail that may still become a stop string."""
         end = len(self.text)
-        if not self.finished:
-            end -= _stop_prefix_overlap(self.text, self.params.stop)
+        if not self.finished and self._stops is not None:
+            end -= self._stops.held[self._stop_state]
         delta = self.text[self.num_streamed_chars : end]
         self.num_streamed_chars = max(self.num_streamed_chars, end)
         return delta
@@ -176,13 +179,3 @@ class Sequence:
         self.status = Status.WAITING
         self.num_preemptions += 1
 
-
-def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest

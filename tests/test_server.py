@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -331,6 +332,8 @@ def test_streamed_logprobs_join_to_the_unstreamed_ones(served):
     ({"prompt": "hi", "logprobs": 21, "echo": True}, 400, "logprobs", "logprobs"),
     ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "presence_penalty"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop", "stop"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(60000)]}, 400, "stop", "at most 256 (max_stop_strings)"),
+    ({"prompt": "hi", "stop": ["x" * 9000] * 2}, 400, "stop", "at most 16384 in all (max_stop_chars)"),
     ({"prompt": [True]}, 400, "prompt", "token ids"),
     ({"prompt": []}, 400, "prompt", "empty"),
     ({"prompt": [50257]}, 400, "prompt", "vocabulary"),
@@ -538,11 +541,12 @@ def free_port() -> int:
 
 
 def test_cli_serves_with_an_api_key(checkpoint):
+    """The key from $MINIGPT_API_KEY; the model served by its folder's name, never its path."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port), "--api-key", "k",
-         "--served-model-name", MODEL, "--threads", "1", "--max-waiting", "8", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "minigpt.serve", "--model", str(checkpoint), "--port", str(port),
+         "--threads", "1", "--max-waiting", "8", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MINIGPT_API_KEY": "k"})
     try:
         for _ in range(6000):
             try:
@@ -552,7 +556,11 @@ def test_cli_serves_with_an_api_key(checkpoint):
                 assert proc.poll() is None, proc.stdout.read().decode()
                 time.sleep(0.02)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
-        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert [m.id for m in client.models.list().data] == [checkpoint.name]
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert str(checkpoint.parent) not in missing.value.message
+        assert client.completions.create(model=checkpoint.name, prompt="hi", max_tokens=3).usage.completion_tokens == 3
     finally:
         proc.terminate()
         proc.wait()

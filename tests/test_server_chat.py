@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from test_server import MODEL, N_POSITIONS, Served, generate, run_server, streamed_chunks, wait_idle
@@ -232,8 +233,6 @@ def test_streamed_choices_and_logprobs_join_to_the_unstreamed_ones(served):
     ({"messages": [{"role": "user", "content": " hi" * 1100}]}, "messages", "leaves no room in the model's context"),
 ])
 def test_bad_chat_requests_get_openai_errors(served, body, param, says):
-    import httpx
-
     response = httpx.post(f"{served.url}/v1/chat/completions", json=body)
     error = response.json()["error"]
     assert response.status_code == 400, error
@@ -342,3 +341,22 @@ def test_response_format_constrains_chat(served):
                        extra_body={"structured_outputs": {"regex": "("}})
     assert err.value.body["param"] == "structured_outputs"
     wait_idle(served.llm)
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"divisor": 0}, "ZeroDivisionError"),
+    ({"repeat": 10**20}, "OverflowError"),
+    ({"repeat": "many"}, "TypeError"),
+])
+def test_whatever_the_template_variables_make_it_raise_is_a_400(served, kwargs, says):
+    """On chat and on /tokenize's chat form alike, never a 500."""
+    template = ChatTemplate("{% for i in range(repeat | default(1)) %}{{ 100 // (divisor | default(1)) }}{% endfor %}"
+                            "{{ messages[0]['content'] }}")
+    with run_server(build_app(served.llm, MODEL, chat_template=template)) as url:
+        body = {"messages": MESSAGES, "chat_template_kwargs": kwargs}
+        assert httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": {}}).status_code == 200
+        for path in ("/v1/chat/completions", "/tokenize"):
+            response = httpx.post(f"{url}{path}", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages" and says in error["message"], error

@@ -4,14 +4,17 @@ it came from, never a 500; the OpenAPI schema describes both fields."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server import MODEL, N_POSITIONS, Served, run_server
+from test_server import MODEL, N_POSITIONS, Served, run_server, wait_idle
 
 from minigpt import AsyncLLM
 from minigpt.grammar import compiler_for
@@ -127,3 +130,72 @@ def test_missing_extra_is_a_400_naming_the_install(served, monkeypatch):
     assert out.status_code == 400, out.text
     error = out.json()["error"]
     assert error["param"] == "structured_outputs" and "pip install minigpt[structured]" in error["message"]
+
+
+@pytest.mark.parametrize("constraint", [{"regex": "a{1000}{1000}"},
+                                        {"choice": ["!", *(f"zoo {i}" for i in range(2500))]}])
+def test_a_grammar_that_would_fail_at_generation_is_a_400(served, constraint):
+    """llguidance validates these, then fails at the first token: refused at submission, without the ~1 KB
+    of parser state its error carries."""
+    out = complete(served, structured_outputs=constraint)
+    assert out.status_code == 400, out.text
+    error = out.json()["error"]
+    assert error["param"] == "structured_outputs" and "<state>" not in error["message"], error
+
+
+def test_grammars_compile_off_the_event_loop(served, monkeypatch):
+    """While a grammar compiles (held here), the server answers /health and other requests."""
+    from minigpt.grammar import GrammarCompiler
+
+    entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
+
+    def held(self, params):
+        entered.set()
+        release.wait()
+        return compile(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", held)
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(complete(served, structured_outputs={"regex": "[ab]"})))
+    sender.start()
+    try:
+        assert entered.wait(60), "the constrained request never reached the grammar compiler"
+        assert httpx.get(f"{served.url}/health").status_code == 200
+        assert complete(served, n=1, max_tokens=2).status_code == 200
+    finally:
+        release.set()
+        sender.join()
+    assert all(text in ("a", "b") for text in texts(answer[0]))
+
+
+def test_a_client_gone_while_its_grammar_compiles_leaves_no_request_running(served, monkeypatch):
+    from minigpt.grammar import GrammarCompiler
+
+    entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
+
+    def held(self, params):
+        entered.set()
+        release.wait()
+        return compile(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", held)
+    before = served.llm.metrics()
+
+    async def leave() -> None:
+        body = {"prompt": "Hello", "max_tokens": 500, "structured_outputs": {"regex": "[ab]{500}"}}
+        async with httpx.AsyncClient() as client:
+            request = asyncio.create_task(client.post(f"{served.url}/v1/completions", json=body))
+            assert await asyncio.to_thread(entered.wait, 60), "the request never reached the grammar compiler"
+            request.cancel()  # drops the connection while the request is being made
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave())
+    release.set()
+    for _ in range(2000):  # until the handler, which goes on after the client left, has made the request
+        if served.llm.metrics().requests_total > before.requests_total:
+            break
+        time.sleep(0.01)
+    after = wait_idle(served.llm)
+    assert after.requests_total == before.requests_total + 1
+    assert after.finish_reasons.get("abort", 0) == before.finish_reasons.get("abort", 0) + 1

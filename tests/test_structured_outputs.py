@@ -171,6 +171,13 @@ def test_bad_params_are_refused(kwargs, field):
     (StructuredOutputsParams(grammar="start: undefined_rule"), "StructuredOutputsParams.grammar"),
     (StructuredOutputsParams(json={"type": "no-such-type"}), "StructuredOutputsParams.json"),
     (StructuredOutputsParams(json={"$ref": "#/nowhere"}), "StructuredOutputsParams.json"),
+    # valid, but past llguidance's limits at the first token: its lexer, its parser's row of items
+    (StructuredOutputsParams(regex="a{1000}{1000}"), "StructuredOutputsParams.regex cannot be generated: lexer"),
+    (StructuredOutputsParams(grammar="start: " + " | ".join(f'"o{i}"' for i in range(2500))),
+     "StructuredOutputsParams.grammar cannot be generated: Parser Error: Current row has"),
+    # the first token allowed ("!") fits; "zoo" would not: the bound is on the options
+    (StructuredOutputsParams(choice=["!", *(f"zoo {i}" for i in range(2500))]),
+     "StructuredOutputsParams.choice has 2501 options; llguidance's parser can generate at most 1999"),
 ])
 def test_invalid_grammars_are_refused_at_submission(llm, so, field):
     with pytest.raises(ValueError, match=re.escape(field)):

@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
-from minigpt import LLM, BeamSearchParams, SamplingParams
+from minigpt import LLM, AsyncLLM, BeamSearchParams, SamplingParams
 from minigpt.engine_config import EngineConfig, add_engine_arguments, engine_args_from
 from minigpt.model import load_model
 from minigpt.tensor_parallel.shard import Shard
@@ -141,6 +142,32 @@ def test_killed_rank_fails_requests_and_close_leaves_no_process(checkpoint_facto
     llm.close()
     assert worker_pids() == before
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_stopped_or_dead_rank_is_the_engines_problem(checkpoint_factory):
+    """What /health reports: a rank stopped (its next step would hang), running again, then killed."""
+    path = checkpoint_factory(**HEADS["4 heads"])
+    before = worker_pids()
+
+    def problem_once(changed) -> str | None:
+        for _ in range(500):  # a signal lands when the kernel delivers it: a bounded poll
+            if changed(problem := llm.problem()):
+                return problem
+            time.sleep(0.01)
+        raise AssertionError(f"the engine's problem stayed {problem!r}")
+
+    with AsyncLLM(str(path), tensor_parallel_size=2, **ENGINE) as llm:
+        (pid,) = worker_pids() - before
+        assert llm.problem() is None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert problem_once(lambda p: p is not None) == f"tensor-parallel rank 1 is stopped (pid {pid})"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert problem_once(lambda p: p is None) is None
+        os.kill(pid, signal.SIGKILL)
+        assert problem_once(lambda p: p is not None) == "tensor-parallel rank 1 exited (exit code -9)"
+    assert worker_pids() == before
 
 
 def test_close_leaves_no_process(checkpoint_factory):

@@ -7,7 +7,9 @@
     shutdown.py   graceful shutdown: drain the requests in flight, then abort the rest
     errors.py     OpenAI-style error bodies and the exception handlers that produce them
     tokenization.py vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)
-    middleware.py ASGI middleware: API key, request body size limit
+    middleware.py ASGI middleware: API key, request body size and time limits
+    connections.py uvicorn's config: a deadline for request headers, a limit on connections and requests
+    limits.py     the defaults of what one client may send or hold (body size, read timeout, concurrency)
     app.py        the FastAPI app: routes, streaming, cancellation on disconnect
 
 Needs the optional `server` extra (FastAPI, uvicorn, jinja2): pip install "minigpt[server]".

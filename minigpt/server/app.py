@@ -26,25 +26,28 @@ from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, install_handlers, invalid
-from minigpt.server.middleware import BearerAuth, BodySizeLimit
+from minigpt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
+from minigpt.server.middleware import BearerAuth, BodyLimits, check_api_key
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.server.tokenization import Tokenization
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def build_app(
     llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatTemplate | None = None, read_timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> FastAPI:
     """An app serving `llm` under `model_name`; with `api_key`, /v1 and the tokenizer endpoints ask for
-    `Authorization: Bearer <key>`. Without `chat_template`, /v1/chat/completions answers 400."""
+    `Authorization: Bearer <key>` (ValueError for a key no client can send: empty, spaces, not ASCII).
+    Without `chat_template`, /v1/chat/completions answers 400. A body must arrive within `read_timeout` seconds."""
+    if api_key is not None:
+        check_api_key(api_key)
     app = FastAPI(title="minigpt", version=__version__)
     install_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=read_timeout)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, prefix=("/v1", *TOKENIZER_PATHS))  # added last: runs first
     server = CompletionServer(llm, model_name)
@@ -63,8 +66,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.is_running:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        """200 while the engine can serve; else 503 with the reason (an orchestrator restarts the server)."""
+        problem = llm.problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -102,11 +107,11 @@ class CompletionServer:
         if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
             params: SamplingParams | BeamSearchParams = body.beam_search_params()
             n = 1 if body.n is None else body.n
-            handles = self.submit(prompts, params)
+            handles = await self.submit(prompts, params)
         else:
             params = body.sampling_params()
             n = params.n
-            handles = self.submit(prompts, params, body.structured_param)
+            handles = await self.submit(prompts, params, body.structured_param)
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
                 events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
@@ -125,9 +130,20 @@ class CompletionServer:
                    for c in protocol.completion_choices(out, i * n, bool(body.echo), tokenizer)]
         return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
 
-    def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
-               structured_param: str = "structured_outputs") -> list[RequestHandle]:
-        """One engine request per prompt; all or none (a refused prompt cancels those already queued)."""
+    async def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
+                     structured_param: str = "structured_outputs") -> list[RequestHandle]:
+        """One engine request per prompt; all or none (a refused prompt cancels those already queued). Made in
+        a worker thread: tokenizing long prompts and compiling a grammar (up to seconds) never hold the event
+        loop; requests made for a client that left meanwhile are cancelled."""
+        made = asyncio.get_running_loop().run_in_executor(None, self._submit, prompts, params, structured_param)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(_cancel_handles)
+            raise
+
+    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
+                structured_param: str) -> list[RequestHandle]:
         handles: list[RequestHandle] = []
         if len(prompts) > self.llm.config.max_waiting:  # a 503 would tell the client to retry in vain
             raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
@@ -199,3 +215,9 @@ class CompletionServer:
         finally:  # the client went away (Starlette cancels this generator) or the stream ended
             for handle in handles:
                 handle.cancel()
+
+
+def _cancel_handles(made: asyncio.Future) -> None:
+    if not made.cancelled() and made.exception() is None:
+        for handle in made.result():
+            handle.cancel()

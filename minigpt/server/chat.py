@@ -6,6 +6,7 @@ The request's sampling fields are those of /v1/completions and go through its ma
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -106,16 +107,15 @@ class ChatServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response | dict:
         server = self.completions
         check_model(body.model, server.model_name)
-        text = render_messages(self.template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         tokenizer = server.llm.tokenizer
-        prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        prompt = await asyncio.to_thread(self._prompt, body)  # rendering may loop for long: off the event loop
         if not prompt:
             raise invalid("the chat template rendered the messages as an empty prompt", "messages")
         completion = body.completion(prompt, server.llm.engine.model_config.n_positions)
         try:
             params = completion.sampling_params()
             completion.prompts()  # the request-size checks of /v1/completions
-            handles = server.submit([prompt], params, completion.structured_param)
+            handles = await server.submit([prompt], params, completion.structured_param)
         except APIError as err:
             if body.max_completion_tokens is not None:  # the request's name for what completions call max_tokens
                 err.message = err.message.replace("max_tokens", "max_completion_tokens")
@@ -137,6 +137,10 @@ class ChatServer:
                     "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
                     "finish_reason": c.finish_reason} for c in out.outputs]
         return {**self._header("chat.completion"), "choices": choices, "usage": protocol.usage([out])}
+
+    def _prompt(self, body: ChatCompletionRequest) -> list[int]:
+        text = render_messages(self.template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return self.completions.llm.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
 
     def _header(self, kind: str) -> dict:
         return {"id": f"chatcmpl-{protocol.completion_id().removeprefix('cmpl-')}", "object": kind,

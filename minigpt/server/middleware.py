@@ -1,15 +1,26 @@
-"""API key and body size checks, as plain ASGI middleware so they run before anything reads the body.
+"""API key and body checks (size, time), as plain ASGI middleware so they run before anything reads the body.
 
 The key is checked first: a client without it cannot make the server buffer a body at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minigpt.server.errors import APIError
+
+API_KEY = re.compile(r"[\x21-\x7e]+")  # what a client can send after "Bearer ": visible ASCII, no spaces
+
+
+def check_api_key(api_key: str) -> None:
+    """ValueError unless `api_key` is a key a client can send (an empty one would let `Bearer ` in)."""
+    if not API_KEY.fullmatch(api_key):
+        raise ValueError("an API key must be 1 or more visible ASCII characters, without spaces"
+                         + (" (it is empty)" if not api_key else ""))
 
 
 class BearerAuth:
@@ -35,13 +46,16 @@ class BearerAuth:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
-class BodySizeLimit:
+class BodyLimits:
     """A declared Content-Length over the limit is refused before a byte is read; a chunked body is
-    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more."""
+    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more.
+    A body that has not all arrived `timeout` seconds after its headers is answered 408, and its
+    connection closed: a client that announces 1,000 bytes and sends 10 holds nothing for long."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,15 +66,22 @@ class BodySizeLimit:
             await self._refuse(scope, receive, send)
             return
         body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
+        try:
+            async with asyncio.timeout(self.timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_bytes:
+                        await self._refuse(scope, receive, send)
+                        return
+        except TimeoutError:
+            error = APIError(408, f"the request body did not arrive within the server's {self.timeout:g} s",
+                             code="request_timeout", headers={"Connection": "close"})
+            await error.response()(scope, receive, send)
+            return
         await self.app(scope, _replay(bytes(body), receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

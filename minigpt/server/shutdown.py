@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from minigpt.async_engine import AsyncLLM
+from minigpt.server.connections import uvicorn_config
 
 # uvicorn's own cancel of the tasks still open, a backstop once the engine has ended every request
 BACKSTOP_SECONDS = 5.0
@@ -36,10 +37,11 @@ class DrainingServer(uvicorn.Server):
             deadline.cancel()
 
 
-def serve(app: FastAPI, llm: AsyncLLM, host: str, port: int, log_level: str, grace: float) -> None:
-    """Serve `app` until SIGTERM or SIGINT, then drain for up to `grace` seconds; returns normally."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=grace + BACKSTOP_SECONDS)
+def serve(app: FastAPI, llm: AsyncLLM, host: str, port: int, log_level: str, grace: float, read_timeout: float,
+          limit_concurrency: int) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then drain for up to `grace` seconds; returns normally. The
+    connections are held as connections.uvicorn_config says."""
+    config = uvicorn_config(app, host, port, log_level, read_timeout, limit_concurrency, grace + BACKSTOP_SECONDS)
     # uvicorn raises the signal it drained on once more as it returns: by then it only means a clean exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

@@ -61,7 +61,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         watcher.cancel()
         if not task.done():
             task.cancel()  # cancelling the waits cancels the engine requests
+            task.add_done_callback(_read_outcome)
     return task.result() if task.done() and not task.cancelled() else None
+
+
+def _read_outcome(work: asyncio.Future) -> None:
+    """Take a cancelled wait's outcome: a cancelled gather() ends with a CancelledError as its exception, which
+    asyncio would log, traceback and all, as never retrieved."""
+    if not work.cancelled():
+        work.exception()
 
 
 async def wait_disconnect(request: Request) -> None:

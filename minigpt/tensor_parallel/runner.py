@@ -31,6 +31,7 @@ from minigpt.weights import resolve_device
 
 LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
 STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated
+STOPPED_STATES = ("T", "t")  # stopped by a signal, or by a tracer
 DEATH_GRACE_S = 1.0  # a killed rank's sockets close before its exit can be seen: a failed step waits that long
 
 
@@ -123,6 +124,15 @@ class TensorParallelRunner(ModelRunner):
         super().copy_blocks(copies)
         self._copies += copies
 
+    def problem(self) -> str | None:
+        """A rank that exited or is stopped (SIGSTOP: its next step would hang), or the step that broke the group."""
+        for worker in self.ranks.workers:
+            if not worker.process.is_alive():
+                return f"tensor-parallel rank {worker.rank} exited (exit code {worker.process.exitcode})"
+            if _process_state(worker.process.pid) in STOPPED_STATES:
+                return f"tensor-parallel rank {worker.rank} is stopped (pid {worker.process.pid})"
+        return self._broken
+
     def _check_ranks(self) -> None:
         for worker in self.ranks.workers:
             if not worker.process.is_alive():
@@ -156,6 +166,15 @@ def pack(tensor: torch.Tensor) -> tuple[torch.dtype, list]:
 
 def unpacker(device: torch.device) -> Callable[[tuple[torch.dtype, list]], torch.Tensor]:
     return lambda packed: torch.tensor(packed[1], dtype=packed[0], device=device)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter Linux's /proc shows for `pid` (None where there is no /proc, or no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _wait_loaded(worker: Worker) -> None:
