@@ -21,11 +21,12 @@ from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_argumen
 from minigpt.progress import log_to_stderr
 from minigpt.weights import resolve_checkpoint
 
+PROG = "python -m minigpt.serve"  # the console command passes its own: "minigpt serve"
 MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
-def build_parser(prog: str = "python -m minigpt.serve") -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description="Serve GPT-2 over the OpenAI API.")
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     http = parser.add_argument_group("http")
@@ -57,7 +58,7 @@ def check_can_listen(host: str, port: int) -> None:
         probe.bind((host, port))
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m minigpt.serve") -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
