@@ -26,8 +26,9 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--quiet", "--outdir", str(dist),
-                    str(source)], check=True, capture_output=True)
+    command = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "-q", "--outdir", str(dist), str(source)]
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
     return next(dist.glob("minigpt-*.whl"))
 
 
