@@ -21,4 +21,4 @@ __all__ = [
     "StreamDelta",
     "QueueFullError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads this literal without importing

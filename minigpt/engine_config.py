@@ -147,8 +147,13 @@ def _flag(setting: Field) -> str | None:
 class OneLineParser(argparse.ArgumentParser):
     """The command lines' parser: a flag argparse refuses is one line on stderr, like every other error."""
 
+    def error_line(self, message: str) -> str:
+        """`minigpt.generate: error: MESSAGE` for `python -m minigpt.generate`, `minigpt generate: error: ...` for
+        the console command."""
+        return f"{self.prog.removeprefix('python -m ')}: error: {message}"
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message} (see --help)\n")
+        self.exit(2, self.error_line(message) + " (see --help)\n")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,8 @@ from minigpt.progress import log_to_stderr
 from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams
 
+PROG = "python -m minigpt.generate"  # the console command passes its own: "minigpt generate"
+
 # The SamplingParams field each sampling flag sets (by the flag's dest): builds the params and names
 # the flag, not the field, when a value is refused
 SAMPLING_FLAGS = {
@@ -37,8 +39,8 @@ SAMPLING_FLAGS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m minigpt.generate", description="Generate text with GPT-2.")
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description="Generate text with GPT-2.")
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text")
@@ -174,8 +176,9 @@ def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int
         raise ValueError(where + str(err)[refused.end() :]) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     if not args.quiet:
         log_to_stderr(logging.INFO)
     try:
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 128 + signal.SIGPIPE
     except USER_ERRORS as err:
-        print(f"minigpt.generate: error: {flag_error_line(err, flag_names())}", file=sys.stderr)
+        print(parser.error_line(flag_error_line(err, flag_names())), file=sys.stderr)
         return 2
     return 0
 

@@ -20,8 +20,8 @@ from minigpt.llm import LLM
 from minigpt.progress import log_to_stderr
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m minigpt.precompile", description=" ".join(__doc__.split("\n\n")[0].split()))
+def main(argv: list[str] | None = None, prog: str = "python -m minigpt.precompile") -> int:
+    parser = OneLineParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except USER_ERRORS as err:
-        print(f"minigpt.precompile: error: {flag_error_line(err)}", file=sys.stderr)
+        print(parser.error_line(flag_error_line(err)), file=sys.stderr)
         return 2
     print(entry)
     logging.getLogger("minigpt").info("ready in %.1f s", time.perf_counter() - start)

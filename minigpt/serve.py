@@ -23,13 +23,14 @@ from minigpt.progress import log_to_stderr
 from minigpt.server.limits import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from minigpt.weights import resolve_checkpoint
 
+PROG = "python -m minigpt.serve"  # the console command passes its own: "minigpt serve"
 MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
 API_KEY_ENV = "MINIGPT_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m minigpt.serve", description="Serve GPT-2 over the OpenAI API.")
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description="Serve GPT-2 over the OpenAI API.")
     parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -91,8 +92,8 @@ def check_can_listen(host: str, port: int) -> None:
         probe.bind((host, port))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be a positive number of bytes")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from minigpt.server.middleware import check_api_key
         from minigpt.server.shutdown import serve
     except ImportError as err:
-        print(f"minigpt.serve: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
+        print(parser.error_line(f"{MISSING_EXTRA} (missing: {err.name})"), file=sys.stderr)
         return 2
     if api_key is not None:
         try:
@@ -127,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_can_listen(args.host, args.port)
     except OSError as err:
-        print(f"minigpt.serve: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        print(parser.error_line(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}"), file=sys.stderr)
         return 2
     log_to_stderr(args.log_level.upper())
     try:
         template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
         llm = AsyncLLM(args.model, **engine_args_from(args))
     except USER_ERRORS as err:
-        print(f"minigpt.serve: error: {flag_error_line(err)}", file=sys.stderr)
+        print(parser.error_line(flag_error_line(err)), file=sys.stderr)
         return 2
     try:
         app = build_app(llm, args.served_model_name or served_name(args.model), api_key, args.max_body_bytes, template,

@@ -1,0 +1,11 @@
+"""The packages the wheel holds, found rather than listed: every package under minigpt/, and kernels/ (with any
+package under it) as minigpt.kernels, so it never clashes with PyPI's `kernels` package. The rest of the
+build's settings are in pyproject.toml."""
+
+from setuptools import find_packages, setup
+
+setup(
+    packages=find_packages(include=["minigpt", "minigpt.*"])
+    + ["minigpt." + name for name in find_packages(include=["kernels", "kernels.*"])],
+    package_dir={"minigpt.kernels": "kernels"},
+)
