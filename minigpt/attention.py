@@ -31,7 +31,7 @@ class PrefillSegment:
     start: int
     length: int
     context_len: int  # tokens of this sequence in the cache after this step (cached prefix + chunk)
-    block_table: torch.Tensor  # [num_blocks] int64: the sequence's pages covering context_len
+    block_table: torch.Tensor | None  # [num_blocks] int64: its pages covering context_len; None without a cached prefix
 
 
 @dataclass

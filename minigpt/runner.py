@@ -151,7 +151,8 @@ class ModelRunner:
             start, first = len(tokens), seq.num_computed_tokens
             end = first + chunk
             tokens += ((seq, p) for p in range(first, end))
-            segments.append(PrefillSegment(start, chunk, end, self._tensor(seq.block_table[: -(-end // bs)])))
+            pages = self._tensor(seq.block_table[: -(-end // bs)]) if first else None  # a cached prefix to read
+            segments.append(PrefillSegment(start, chunk, end, pages))
             if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
                 wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
                 if wanted:

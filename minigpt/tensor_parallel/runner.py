@@ -149,7 +149,8 @@ class TensorParallelRunner(ModelRunner):
 def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
     """What the model reads of a step (not the Sequences to sample), each tensor through `convert`."""
     meta = inputs.meta
-    segments = [replace(seg, block_table=convert(seg.block_table)) for seg in meta.prefills]
+    segments = [replace(seg, block_table=None if seg.block_table is None else convert(seg.block_table))
+                for seg in meta.prefills]
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     meta = StepMetadata(
         convert(meta.slot_mapping), segments, meta.num_prefill_tokens,
