@@ -46,10 +46,11 @@ class Served:
 
 
 @contextmanager
-def run_server(app) -> Iterator[str]:
-    """uvicorn on a background thread, port chosen by the OS; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=5))
+def run_server(app, config: uvicorn.Config | None = None) -> Iterator[str]:
+    """uvicorn on a background thread (`config`, else a plain one), port chosen by the OS; yields the base URL."""
+    config = config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                      timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(2000):

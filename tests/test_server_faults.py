@@ -18,7 +18,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 from test_server import MODEL, N_POSITIONS, Gate, Served, run_server, wait_idle
 
 from minigpt import AsyncLLM, SamplingParams
@@ -157,19 +156,10 @@ def test_a_local_checkpoint_is_served_by_its_folder_name(tmp_path, monkeypatch):
 @contextmanager
 def run_configured(app, read_timeout: float, limit_concurrency: int = 512) -> Iterator[tuple[str, int]]:
     """The app under the CLI's uvicorn config on a free port; yields (host, port)."""
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, "warning", read_timeout, limit_concurrency, 5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(2000):
-        if server.started or not thread.is_alive():
-            break
-        time.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield "127.0.0.1", server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join()
+    config = uvicorn_config(app, "127.0.0.1", 0, "warning", read_timeout, limit_concurrency, 5)
+    with run_server(app, config) as url:
+        host, port = url.removeprefix("http://").split(":")
+        yield host, int(port)
 
 
 def read_until_closed(sock: socket.socket) -> bytes:

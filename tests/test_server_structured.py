@@ -143,8 +143,8 @@ def test_a_grammar_that_would_fail_at_generation_is_a_400(served, constraint):
     assert error["param"] == "structured_outputs" and "<state>" not in error["message"], error
 
 
-def test_grammars_compile_off_the_event_loop(served, monkeypatch):
-    """While a grammar compiles (held here), the server answers /health and other requests."""
+def hold_grammar_compiles(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Grammar compiles wait for the second event once they have set the first."""
     from minigpt.grammar import GrammarCompiler
 
     entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
@@ -155,6 +155,12 @@ def test_grammars_compile_off_the_event_loop(served, monkeypatch):
         return compile(self, params)
 
     monkeypatch.setattr(GrammarCompiler, "compile", held)
+    return entered, release
+
+
+def test_grammars_compile_off_the_event_loop(served, monkeypatch):
+    """While a grammar compiles (held here), the server answers /health and other requests."""
+    entered, release = hold_grammar_compiles(monkeypatch)
     answer: list[httpx.Response] = []
     sender = threading.Thread(target=lambda: answer.append(complete(served, structured_outputs={"regex": "[ab]"})))
     sender.start()
@@ -169,16 +175,7 @@ def test_grammars_compile_off_the_event_loop(served, monkeypatch):
 
 
 def test_a_client_gone_while_its_grammar_compiles_leaves_no_request_running(served, monkeypatch):
-    from minigpt.grammar import GrammarCompiler
-
-    entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
-
-    def held(self, params):
-        entered.set()
-        release.wait()
-        return compile(self, params)
-
-    monkeypatch.setattr(GrammarCompiler, "compile", held)
+    entered, release = hold_grammar_compiles(monkeypatch)
     before = served.llm.metrics()
 
     async def leave() -> None:
