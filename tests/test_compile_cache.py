@@ -198,6 +198,24 @@ def test_precompile_builds_the_entry_a_later_engine_loads(tiny_checkpoint, compi
             assert str(llm.engine.runner.compiled.cache_entry) == entry
 
 
+@pytest.mark.slow
+def test_precompile_fails_where_it_cannot_store(tiny_checkpoint, built_entry, tmp_path, capsys):
+    """A cache folder others can write is not used: the steps are built apart, and precompile says
+    that nothing was stored."""
+    from minigpt.precompile import main
+
+    entry, _ = built_entry
+    files = json.loads((entry / MANIFEST).read_text())["files"]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with mock.patch.object(ProgramCache, "_build_privately",
+                           side_effect=lambda specs: compile_cache._load_packages(entry, files)) as apart:
+        assert main(["--model", str(tiny_checkpoint), "--compile-cache-dir", str(shared)]) == 1
+    assert apart.call_count == 1 and not list(shared.iterdir())
+    assert "built but not stored" in capsys.readouterr().err
+
+
 def test_precompile_refuses_a_bad_flag_in_one_line(tiny_checkpoint, capsys):
     from minigpt.precompile import main
 
