@@ -286,10 +286,11 @@ def wait_for(condition, what: str, limit: float = 300):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
-def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_checkpoint, tmp_path, sig):
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL"])
+def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_checkpoint, tmp_path, name):
     """The engine's process ended while its steps are built side by side: its workers and their compilers
     end with it; a folder left by a process killed outright is deleted at the next start."""
+    sig = getattr(signal, name)
     root = tmp_path / "cache"
     start = (f"from minigpt import LLM; from minigpt import compile_cache as c; c.build_workers = lambda specs: 2; "
              f"LLM({str(tiny_checkpoint)!r}, compile=True, compile_cache_dir={str(root)!r})")
@@ -297,7 +298,8 @@ def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_chec
     try:
         groups = set(wait_for(lambda: workers_of(engine.pid), "saw a compile worker"))
         engine.send_signal(sig)
-        assert engine.wait() == -sig, engine.stderr.read().decode()[-2000:]
+        ended = engine.wait()  # SIGINT: a KeyboardInterrupt, which may end the process with 1
+        assert ended == -sig or (sig == signal.SIGINT and ended == 1), engine.stderr.read().decode()[-2000:]
         wait_for(lambda: not alive_in_groups(groups), "saw the workers and their compilers end")
     finally:
         engine.kill()
