@@ -53,7 +53,7 @@ def _end_group(*_) -> None:
     try:
         os.killpg(os.getpid(), signal.SIGKILL)  # the group this worker leads: it and its compilers
     finally:
-        os._exit(1)  # not a group's leader
+        os._exit(1)  # reached only if this worker leads no group
 
 
 def main(argv: list[str]) -> int:

@@ -49,7 +49,8 @@ class EngineConfig:
         False, "compiled steps: faster decoding; compiled once per model shape and mode (minutes), then cached on disk"
     )
     compile_cache_dir: str | None = _setting(
-        None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
+        None, "where compile=True keeps its compiled steps, a folder only this user may write (default: "
+        "$MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
     )
     verify_weights: bool = _setting(
         False, "check the weight files against the SHA-256 the hub published for them (hub checkpoints only)",
