@@ -7,35 +7,47 @@ Never the weights: the programs take them as inputs (`compiled.TensorsAsInputs`)
 every checkpoint of a shape and the weights are held once. An entry is written under a temporary name
 and renamed when complete; its manifest records the key and each package's SHA-256, all checked
 before any package is loaded, so a partial, stale or corrupt entry is rebuilt, never run. A load marks
-its entry used (the manifest's time); a build deletes the entries of other minigpt sources or torch
+its entry used (the manifest's time); every start deletes the entries of other minigpt sources or torch
 builds (which this one never loads) that no engine has loaded for `UNUSED_DAYS` days, and the leftovers
 of builds killed half way.
 
+The packages hold native code (`cache_trust`): a cache folder another user could write, or with a key
+others could read, is left alone, with a warning, and the steps are built for the engine alone; an
+entry is loaded only if its folder is as private and its manifest is signed with the user's key, and
+then from the bytes its SHA-256 were checked on.
+
 A first start builds the steps side by side, each in a process of its own (`minigpt.compile_worker`),
 as many at once as the CPU has cores: a build is mostly one thread of Python, then one of the C++
-compiler.
+compiler. Each worker leads a process group of its own (it and its compilers), ended when the build
+ends, fails or is interrupted, or the engine's process dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
 
+from minigpt.cache_trust import Untrusted, check_private, private_folder, sign, signed_by, user_key
 from minigpt.cpu_linear import x86_flags
 from minigpt.engine_config import error_line
 from minigpt.progress import announce
@@ -44,14 +56,14 @@ logger = logging.getLogger("minigpt")
 
 CACHE_DIR_ENV = "MINIGPT_CACHE_DIR"
 MANIFEST = "manifest.json"
-FORMAT = 1  # the layout of an entry; a change renames every entry
+FORMAT = 2  # the layout of an entry; a change renames every entry
 # inductor's generated code checks every input's size and strides on each call, nearly all of them
 # weights whose shapes the entry's key fixes
 PACKAGE_OPTIONS = {"size_asserts": False}
 UNUSED_DAYS = 30  # an entry of another build no engine loaded for this long is deleted by the next build
 BUILD_FIELDS = ("format", "minigpt", "torch", "torch_git")  # of a description: the build that wrote it
-BUILDING = ".building-"  # in the name of a folder an entry is being built in
-ABANDONED_HOURS = 24  # a build folder this old belongs to a build that was killed
+BUILDING = ".building-"  # in the name of a folder an entry is being built in, then its builder's pid and host
+ABANDONED_HOURS = 24  # a build folder this old belongs to a build that was killed, wherever it ran
 # what prune may delete: entries (named by `entry_key`) and build folders, nothing else a shared folder holds
 PRUNABLE = re.compile(rf"[0-9a-f]{{32}}({re.escape(BUILDING)}.*)?")
 
@@ -120,7 +132,7 @@ def _sha256(path: Path) -> str:
 
 
 class CorruptEntry(Exception):
-    """A cache entry that must not be run: incomplete, written for another key, or altered."""
+    """A cache entry that must not be run: incomplete, written for another key, by another user, or altered."""
 
 
 class ProgramCache:
@@ -129,29 +141,34 @@ class ProgramCache:
     def __init__(self, root: str | Path | None = None) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
 
-    def entry(self, description: dict) -> Path:
-        """The folder of the entry for `description`."""
-        return self.root / entry_key(_as_read_back(description))
-
-    def load(self, description: dict, specs: Callable[[], list[ProgramSpec]]) -> dict[str, Callable]:
-        """The programs of the entry for `description`, built first if it is missing, stale or corrupt.
-        `specs()` makes what to export (only called to build)."""
+    def load(
+        self, description: dict, names: tuple[str, ...], specs: Callable[[], list[ProgramSpec]]
+    ) -> tuple[dict[str, Callable], Path | None]:
+        """The programs `names` of the entry for `description` and the entry's folder, built first if it is
+        missing, stale, corrupt or incomplete. `specs()` makes what to export (only called to build). From a
+        cache folder or key this user cannot trust, programs built for this caller alone (folder None)."""
         description = _as_read_back(description)
+        try:
+            private_folder(self.root)
+            key = user_key()
+        except (Untrusted, OSError) as err:
+            logger.warning("compile cache not used (%s): building the steps for this engine alone", error_line(err))
+            return self._build_privately(specs()), None
+        self.prune(description)
         entry = self.root / entry_key(description)
         if entry.exists():
             start = time.perf_counter()
             _mark_used(entry)  # first: another process's prune spares it while it loads
             try:
-                programs = self._load_entry(entry, description)
+                programs = self._load_entry(entry, description, names, key)
             except CorruptEntry as err:
                 logger.warning("compile cache entry %s is unusable (%s): rebuilding it", entry, err)
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 logger.info("loaded the compiled steps from %s in %.2f s", entry, time.perf_counter() - start)
-                return programs
-        self._build(entry, description, specs())
-        self.prune(description)
-        return self._load_entry(entry, description)
+                return programs, entry
+        self._build(entry, description, specs(), key)
+        return self._load_entry(entry, description, names, key), entry
 
     def prune(self, description: dict) -> None:
         """Delete the entries of builds other than `description`'s unused for `UNUSED_DAYS` days (an entry
@@ -164,7 +181,7 @@ class ProgramCache:
             building = BUILDING in path.name
             try:  # another process may be pruning the same folder
                 if building:
-                    stale = now - path.stat().st_mtime > ABANDONED_HOURS * 3600
+                    stale = _builder_gone(path.name) or now - path.stat().st_mtime > ABANDONED_HOURS * 3600
                 else:
                     built_by = json.loads((path / MANIFEST).read_text()).get("description", {})
                     stale = now - (path / MANIFEST).stat().st_mtime > UNUSED_DAYS * 86400 and any(
@@ -180,52 +197,124 @@ class ProgramCache:
             logger.info("deleted %d compile cache folders (%.0f MB) of other builds unused for %d days or left by "
                         "killed builds: %s", len(removed), freed / 1e6, UNUSED_DAYS, ", ".join(removed))
 
-    def _load_entry(self, entry: Path, description: dict) -> dict[str, Callable]:
-        from torch._inductor import aoti_load_package
-
+    def _load_entry(self, entry: Path, description: dict, names: tuple[str, ...], key: bytes) -> dict[str, Callable]:
+        """The entry's programs, once its folder, its manifest's signature, description and list of
+        packages, and every package are checked."""
         try:
+            check_private(entry, entry.lstat())
             manifest = json.loads((entry / MANIFEST).read_text())
-            files = manifest["files"]
+            files, body = manifest["files"], _signed_part(manifest["description"], manifest["files"])
+        except Untrusted as err:
+            raise CorruptEntry(str(err)) from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CorruptEntry(f"no readable manifest: {err}") from None
-        if manifest.get("description") != description:
+        if not signed_by(key, body, manifest.get("hmac")):
+            raise CorruptEntry("its manifest is not signed with this user's cache key")
+        if manifest["description"] != description:
             raise CorruptEntry("its manifest was written for another build")
-        paths = {name: entry / f"{name}.pt2" for name in files}
-        for name, path in paths.items():  # every package checked before any is loaded
-            try:
-                intact = _sha256(path) == files[name]
-            except OSError:  # missing, or deleted while read
-                intact = False
-            if not intact:
-                raise CorruptEntry(f"{path.name} is missing or altered")
-        programs = {}
-        for name, path in paths.items():
-            try:
-                program = aoti_load_package(str(path))
-            except (RuntimeError, OSError) as err:
-                raise CorruptEntry(f"{path.name} does not load: {error_line(err)}") from err
-            programs[name] = program
-        return programs
+        if not isinstance(files, dict) or sorted(files) != sorted(names):
+            raise CorruptEntry(f"its manifest lists {sorted(files)}, not the steps {sorted(names)}")
+        return _load_packages(entry, files)
 
-    def _build(self, entry: Path, description: dict, specs: list[ProgramSpec]) -> None:
-        """Export and compile every program into a temporary folder, then rename it into place."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _build(self, entry: Path, description: dict, specs: list[ProgramSpec], key: bytes) -> None:
+        """Export and compile every program into a temporary folder, sign its manifest, rename it into place."""
         start = time.perf_counter()
         workers = build_workers(specs)
         announce(logger, "compiling %d steps for this model shape and mode (%d at a time), once: later starts "
                  "load them from %s", len(specs), workers, self.root)
-        building = Path(tempfile.mkdtemp(prefix=f"{entry.name}{BUILDING}", dir=self.root))
-        try:
-            build = _build_one_by_one if workers == 1 else _build_side_by_side
-            files = build(specs, building, workers)
-            (building / MANIFEST).write_text(json.dumps({"description": description, "files": files}, indent=1))
+        builder = f"{os.getpid()}-{socket.gethostname()}-"  # `_builder_gone` reads it back
+        with _unwound_by_signals():
+            building = Path(tempfile.mkdtemp(prefix=f"{entry.name}{BUILDING}{builder}", dir=self.root))
             try:
-                building.rename(entry)
-            except OSError:  # another process finished the same entry first: its copy serves
-                pass
-        finally:
-            shutil.rmtree(building, ignore_errors=True)
+                files = _build_steps(specs, building, workers)
+                manifest = {"description": description, "files": files,
+                            "hmac": sign(key, _signed_part(description, files))}
+                (building / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                try:
+                    building.rename(entry)
+                except OSError:  # another process finished the same entry first: its copy serves
+                    pass
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
         announce(logger, "compiled in %.0f s", time.perf_counter() - start)
+
+    @staticmethod
+    def _build_privately(specs: list[ProgramSpec]) -> dict[str, Callable]:
+        """The programs of `specs`, built in a folder of this process's, loaded, and the folder deleted."""
+        with _unwound_by_signals(), tempfile.TemporaryDirectory(prefix="minigpt-compile-") as folder:
+            return _load_packages(Path(folder), _build_steps(specs, Path(folder), build_workers(specs)))
+
+
+def _signed_part(description: dict, files: dict) -> bytes:
+    """What an entry's signature covers: its description and each package's SHA-256."""
+    return json.dumps({"description": description, "files": files}, sort_keys=True).encode()
+
+
+def _load_packages(folder: Path, files: dict[str, str]) -> dict[str, Callable]:
+    """The packages of `files` (name -> SHA-256) in `folder`, loaded from the bytes checked, all checked
+    before any is loaded."""
+    from torch._inductor import aoti_load_package
+
+    packages = {}
+    for name, digest in files.items():
+        try:
+            data = (folder / f"{name}.pt2").read_bytes()
+        except OSError:  # missing, or deleted while read
+            data = None
+        if data is None or hashlib.sha256(data).hexdigest() != digest:
+            raise CorruptEntry(f"{name}.pt2 is missing or altered")
+        packages[name] = data
+    programs = {}
+    for name, data in packages.items():
+        try:  # from the bytes checked: the file may change after
+            programs[name] = aoti_load_package(io.BytesIO(data))
+        except (RuntimeError, OSError) as err:
+            raise CorruptEntry(f"{name}.pt2 does not load: {error_line(err)}") from err
+    return programs
+
+
+def _builder_gone(name: str) -> bool:
+    """Whether the process a build folder's `name` names (its pid and host) is gone: only known on its host."""
+    match = re.search(rf"{re.escape(BUILDING)}(\d+)-(.+)-[^-]*$", name)
+    if match is None or match[2] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        pass
+    return False
+
+
+class _Signalled(BaseException):
+    """A signal that ends the process, raised where the build is so its workers are ended and its folder deleted."""
+
+
+@contextlib.contextmanager
+def _unwound_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP, where nothing else handles them, unwind a build in the main thread (its `finally`
+    clauses end the workers and delete its folder) and then end the process as they would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise _Signalled(signum)
+
+    taken = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in taken:
+        signal.signal(sig, unwind)
+    try:
+        yield
+    except _Signalled as signalled:
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signalled.args[0])
+        raise
+    finally:
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def _mark_used(entry: Path) -> None:
@@ -260,6 +349,11 @@ def compile_program(spec: ProgramSpec, package: str | Path) -> str:
     return _sha256(Path(package))
 
 
+def _build_steps(specs: list[ProgramSpec], folder: Path, workers: int) -> dict[str, str]:
+    """Build `specs` into `folder`, `workers` at a time -> each package's SHA-256 by name."""
+    return (_build_one_by_one if workers == 1 else _build_side_by_side)(specs, folder, workers)
+
+
 def _build_one_by_one(specs: list[ProgramSpec], folder: Path, workers: int) -> dict[str, str]:
     files = {}
     for number, spec in enumerate(specs, 1):
@@ -269,7 +363,7 @@ def _build_one_by_one(specs: list[ProgramSpec], folder: Path, workers: int) -> d
 
 
 def _build_side_by_side(specs: list[ProgramSpec], folder: Path, workers: int) -> dict[str, str]:
-    """Each spec built by `minigpt.compile_worker` in a process of its own, `workers` at a time."""
+    """Each spec built by `minigpt.compile_worker` in a process group of its own, `workers` at a time."""
     package_root = str(Path(__file__).resolve().parent.parent)  # where this minigpt is imported from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     waiting, running, files = list(specs), {}, {}
@@ -280,8 +374,9 @@ def _build_side_by_side(specs: list[ProgramSpec], folder: Path, workers: int) ->
                 torch.save(spec, folder / f"{spec.name}.spec")
                 log = open(folder / f"{spec.name}.log", "w+")  # noqa: SIM115 - closed when the process ends
                 command = [sys.executable, "-m", "minigpt.compile_worker", str(folder / f"{spec.name}.spec"),
-                           str(folder / f"{spec.name}.pt2"), str(torch.get_num_threads())]
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                           str(folder / f"{spec.name}.pt2"), str(torch.get_num_threads()), str(os.getpid())]
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
                 running[spec.name] = (process, log, time.perf_counter())
             time.sleep(0.05)
             for name, (process, log, started) in list(running.items()):
@@ -300,7 +395,8 @@ def _build_side_by_side(specs: list[ProgramSpec], folder: Path, workers: int) ->
                          time.perf_counter() - started)
     finally:
         for process, log, _ in running.values():
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and its compilers
             process.wait()
             log.close()
     return {spec.name: files[spec.name] for spec in specs}

@@ -1,13 +1,18 @@
-"""`python -m minigpt.compile_worker SPEC PACKAGE THREADS`: one compiled step built in a process of its
-own, so that a first start builds its steps side by side on as many cores (`compile_cache`).
+"""`python -m minigpt.compile_worker SPEC PACKAGE THREADS PARENT`: one compiled step built in a process of
+its own, so that a first start builds its steps side by side on as many cores (`compile_cache`).
 
 SPEC: a `compile_cache.ProgramSpec` saved with `torch.save`; PACKAGE: the .pt2 to write; THREADS: the
-parent's torch threads, which inductor writes into the parallel loops.
+parent's torch threads, which inductor writes into the parallel loops; PARENT: the parent's pid.
+The worker leads a process group of its own, which it ends (itself and its compilers) on SIGTERM,
+SIGINT or SIGHUP, and when its parent dies (Linux).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import os
+import signal
 import sys
 
 import torch
@@ -30,8 +35,30 @@ def load_spec(path: str) -> ProgramSpec:
         return torch.load(path, weights_only=True)
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def end_with_parent(parent: int) -> None:
+    """End this worker's process group on SIGTERM, SIGINT or SIGHUP, and have the death of `parent`
+    (the process that started it) send SIGTERM."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _end_group)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the line above
+        _end_group()
+
+
+def _end_group(*_) -> None:
+    try:
+        os.killpg(os.getpid(), signal.SIGKILL)  # the group this worker leads: it and its compilers
+    finally:
+        os._exit(1)  # reached only if this worker leads no group
+
+
 def main(argv: list[str]) -> int:
-    spec_path, package_path, threads = argv
+    spec_path, package_path, threads, parent = argv
+    end_with_parent(int(parent))
     torch.set_num_threads(int(threads))
     compile_program(load_spec(spec_path), package_path)
     return 0

@@ -210,7 +210,10 @@ class CompiledDecodeBackend:
 
 class CompiledSteps:
     """The compiled programs of one model and pool: `decode_layer`, a block's halves and the decodes'
-    attention, loaded from `cache` (built there first if missing)."""
+    attention, loaded from `cache` (built there first if missing). `cache_entry`: the folder they were
+    loaded from, None when the cache could not be trusted."""
+
+    PROGRAMS = ("layer", "layer_alone", "head_alone", "before", "after", "attend")  # those `_specs` makes
 
     def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache) -> None:
         missing = missing_internals()
@@ -220,10 +223,8 @@ class CompiledSteps:
         self.model, self.pool = model, pool  # the pool, not its tensor: the runner's close() frees that
         self._scales = attention_scales(model)
         self._head = HeadModules(model)  # what the head's program is exported over and then called with
-        description = self.description()
-        self.cache_entry = cache.entry(description)
         try:
-            programs = cache.load(description, self._specs)
+            programs, self.cache_entry = cache.load(self.description(), self.PROGRAMS, self._specs)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
             raise RuntimeError(
                 "compile=True could not compile the steps; run without it, or install what "

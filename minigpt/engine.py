@@ -32,6 +32,7 @@ from minigpt.tensor_parallel import make_runner
 from minigpt.tokenizer import Tokenizer
 from minigpt.transfer import to_device
 from minigpt.weights import check_complete, resolve_checkpoint
+from minigpt.weights_verify import verify_weights
 
 logger = logging.getLogger("minigpt")
 
@@ -46,6 +47,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)  # torch's setting: the whole process's
         path = resolve_checkpoint(model)
         check_complete(path)
+        if config.verify_weights:
+            verify_weights(path)
         self.tokenizer = Tokenizer.from_dir(path)
         self.runner = make_runner(path, config)
         self.model_config = self.runner.model.config

@@ -52,7 +52,12 @@ class EngineConfig:
         False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start"
     )
     compile_cache_dir: str | None = _setting(
-        None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
+        None, "where compile=True keeps its compiled steps, a folder only this user may write (default: "
+        "$MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
+    )
+    verify_weights: bool = _setting(
+        False, "check the weight files against the SHA-256 the hub published for them (hub checkpoints only)",
+        flag="--verify",
     )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     # bounds on one request's work, and on a step's
@@ -76,7 +81,7 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
-        for name in ("enable_prefix_caching", "compile", "enforce_eager"):
+        for name in ("enable_prefix_caching", "compile", "enforce_eager", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_cache_dtype is not None:

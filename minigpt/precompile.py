@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.precompil
     except USER_ERRORS as err:
         print(parser.error_line(flag_error_line(err)), file=sys.stderr)
         return 2
+    if entry is None:
+        print("minigpt.precompile: error: the steps were built but not stored: the compile cache is not private "
+              "to this user (see the warning above)", file=sys.stderr)
+        return 1
     print(entry)
     logging.getLogger("minigpt").info("ready in %.1f s", time.perf_counter() - start)
     return 0

@@ -143,7 +143,7 @@ def _weight_files_present(path: Path) -> bool:
     return any((path / name).exists() for name in WEIGHT_FILES)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The files holding the weights, in the order the loader prefers (`WEIGHT_FILES`): safetensors
     first, as transformers does (a repo that ships both may have been downloaded without its .bin)."""
     for name in WEIGHT_FILES:
@@ -262,7 +262,7 @@ def load_state_into(
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for file in _weight_files(path):
+    for file in weight_files(path):
         for name, tensor in _read_tensors(file, take):
             key = _model_key(name)
             if key is None or (tied and key == "lm_head.weight"):

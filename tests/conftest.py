@@ -109,11 +109,12 @@ def assert_all_free(llm) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_dir(tmp_path_factory) -> Path:
-    """compile=True's cache of compiled steps, one for the session: the user's own is never touched,
-    and the steps of a shape and mode are compiled once for all tests."""
+    """compile=True's cache of compiled steps, one for the session, and the key that signs its entries:
+    the user's own are never touched, and the steps of a shape and mode are compiled once for all tests."""
     path = tmp_path_factory.mktemp("compile-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MINIGPT_CACHE_DIR", str(path))
+        patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
         yield path
 
 

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import subprocess
 import time
 from unittest import mock
 
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams, compile_cache
+from minigpt.cache_trust import sign, user_key
 from minigpt.compile_cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
+from minigpt.compiled import CompiledSteps
 
 from conftest import random_prompts
 
@@ -70,8 +74,17 @@ def test_an_altered_entry_is_rebuilt_never_run(tiny_checkpoint, built_entry, tmp
             assert tokens(llm) == want  # the rebuilt entry serves
 
 
+def signed(manifest: dict, key: bytes) -> str:
+    """`manifest` with its signature made with `key`, as a build writes it."""
+    body = compile_cache._signed_part(manifest["description"], manifest["files"])
+    return json.dumps({**manifest, "hmac": sign(key, body)})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["no manifest", "manifest of another build", "truncated manifest", "no package"])
+@pytest.mark.parametrize("damage", [
+    "no manifest", "manifest of another build", "truncated manifest", "no package", "hash rewritten",
+    "signed with another key", "incomplete manifest", "entry writable by others",
+])
 def test_every_kind_of_damage_is_detected_before_anything_loads(built_entry, tmp_path, damage):
     entry, _ = built_entry
     copy = tmp_path / entry.name
@@ -81,15 +94,26 @@ def test_every_kind_of_damage_is_detected_before_anything_loads(built_entry, tmp
         (copy / MANIFEST).unlink()
     elif damage == "manifest of another build":
         manifest["description"]["torch"] = "0.0.0"
-        (copy / MANIFEST).write_text(json.dumps(manifest))
+        (copy / MANIFEST).write_text(signed(manifest, user_key()))
     elif damage == "truncated manifest":
         (copy / MANIFEST).write_text((entry / MANIFEST).read_text()[:100])
-    else:
+    elif damage == "no package":
         (copy / "attend.pt2").unlink()
+    elif damage == "hash rewritten":  # a package replaced and its hash with it: the signature no longer holds
+        shutil.copyfile(copy / "head_alone.pt2", copy / "layer.pt2")
+        manifest["files"]["layer"] = manifest["files"]["head_alone"]
+        (copy / MANIFEST).write_text(json.dumps(manifest))
+    elif damage == "signed with another key":  # an entry copied from another user's cache
+        (copy / MANIFEST).write_text(signed(manifest, b"k" * 32))
+    elif damage == "incomplete manifest":
+        del manifest["files"]["attend"]
+        (copy / MANIFEST).write_text(signed(manifest, user_key()))
+    else:
+        copy.chmod(0o777)
     description = json.loads((entry / MANIFEST).read_text())["description"]
     with mock.patch("torch._inductor.aoti_load_package", side_effect=AssertionError("loaded")):
         with pytest.raises(CorruptEntry):
-            ProgramCache(tmp_path)._load_entry(copy, description)
+            ProgramCache(tmp_path)._load_entry(copy, description, CompiledSteps.PROGRAMS, user_key())
 
 
 @pytest.mark.slow
@@ -174,6 +198,24 @@ def test_precompile_builds_the_entry_a_later_engine_loads(tiny_checkpoint, compi
             assert str(llm.engine.runner.compiled.cache_entry) == entry
 
 
+@pytest.mark.slow
+def test_precompile_fails_where_it_cannot_store(tiny_checkpoint, built_entry, tmp_path, capsys):
+    """A cache folder others can write is not used: the steps are built apart, and precompile says
+    that nothing was stored."""
+    from minigpt.precompile import main
+
+    entry, _ = built_entry
+    files = json.loads((entry / MANIFEST).read_text())["files"]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with mock.patch.object(ProgramCache, "_build_privately",
+                           side_effect=lambda specs: compile_cache._load_packages(entry, files)) as apart:
+        assert main(["--model", str(tiny_checkpoint), "--compile-cache-dir", str(shared)]) == 1
+    assert apart.call_count == 1 and not list(shared.iterdir())
+    assert "built but not stored" in capsys.readouterr().err
+
+
 def test_precompile_refuses_a_bad_flag_in_one_line(tiny_checkpoint, capsys):
     from minigpt.precompile import main
 
@@ -199,34 +241,44 @@ def _folder(root, name, age_days, built_by=None):
     return path
 
 
-def test_a_build_deletes_long_unused_entries_of_other_builds_and_folders_of_killed_builds(tmp_path, caplog):
+def building(key: str, pid: int, host: str = socket.gethostname()) -> str:
+    """The name of a folder in which the process `pid` on `host` builds the entry `key`."""
+    return f"{key * 32}{compile_cache.BUILDING}{pid}-{host}-x1_y"
+
+
+def test_a_start_deletes_long_unused_entries_of_other_builds_and_folders_of_killed_builds(tmp_path, caplog):
     days, other = compile_cache.UNUSED_DAYS, {**BUILD, "minigpt": "older"}
+    ended = subprocess.Popen(["true"])
+    ended.wait()
     kept = [
         _folder(tmp_path, "a" * 32, days + 5, BUILD),  # this build's: it may serve from a read-only cache
         _folder(tmp_path, "b" * 32, days - 1, other),  # another build's, used lately
         _folder(tmp_path, "mine", days + 5, other),  # not named as an entry: not the cache's
         _folder(tmp_path, "c" * 32 + compile_cache.BUILDING + "x", 0.5),  # a build under way
+        _folder(tmp_path, building("c", os.getpid()), 0.5),  # ... by a process that is running
+        _folder(tmp_path, building("c", ended.pid, "another-host"), 0.5),  # ... where its pid says nothing
         _folder(tmp_path, "shared" + compile_cache.BUILDING + "y", 2),
     ]
     deleted = [_folder(tmp_path, "d" * 32, days + 1, other),
                _folder(tmp_path, "e" * 32, days + 1, {**BUILD, "torch": "2.12.0"}),
-               _folder(tmp_path, "f" * 32 + compile_cache.BUILDING + "z", 2)]
+               _folder(tmp_path, "f" * 32 + compile_cache.BUILDING + "z", 2),
+               _folder(tmp_path, building("f", ended.pid), 0)]  # its process is gone
     (tmp_path / "notes.txt").write_text("not a folder")
     with caplog.at_level(logging.INFO, logger="minigpt"):
         ProgramCache(tmp_path).prune({**BUILD, "config": "any"})
     assert all(path.exists() for path in kept) and not any(path.exists() for path in deleted)
-    assert "deleted 3 compile cache folders" in caplog.text and (tmp_path / "notes.txt").exists()
+    assert "deleted 4 compile cache folders" in caplog.text and (tmp_path / "notes.txt").exists()
     ProgramCache(tmp_path / "never made").prune(BUILD)
 
 
-def test_a_load_marks_its_entry_used_and_a_build_prunes(tmp_path):
+def test_a_load_marks_its_entry_used_and_every_start_prunes(tmp_path):
     entry = _folder(tmp_path, entry_key(BUILD), compile_cache.UNUSED_DAYS + 1, BUILD)
     with mock.patch.object(ProgramCache, "_load_entry", return_value={}):
-        ProgramCache(tmp_path).load(BUILD, specs=lambda: pytest.fail("built"))
+        ProgramCache(tmp_path).load(BUILD, (), specs=lambda: pytest.fail("built"))
     ProgramCache(tmp_path).prune({**BUILD, "minigpt": "newer"})  # to a newer build this entry is another's:
     assert entry.exists()  # kept only because the load marked it used
     stale = _folder(tmp_path, "0" * 32, compile_cache.UNUSED_DAYS + 1, {**BUILD, "minigpt": "older"})
     built = {**BUILD, "config": "other"}
     with mock.patch.object(ProgramCache, "_build"), mock.patch.object(ProgramCache, "_load_entry", return_value={}):
-        ProgramCache(tmp_path).load(built, specs=list)
+        ProgramCache(tmp_path).load(built, (), specs=list)
     assert not stale.exists() and entry.exists()
