@@ -1,0 +1,130 @@
+"""The run of a batch job: input lines read on a thread of their own as the window lets them in, every line
+in flight answered at once (the engine batches them continuously), each result written as it completes.
+
+Memory stays flat whatever the file's length: at most `max_in_flight` lines are read ahead of their results,
+and the engine holds at most `max_in_flight` requests; what grows with the file is one 16-byte key per line
+(the custom_ids seen and done, to skip and to refuse repeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from minigpt.batch_jobs.answer import Answer, Answerer, custom_id_of, line_key
+from minigpt.batch_jobs.files import ResultWriter
+from minigpt.progress import Progress
+
+END = None  # what the reader thread queues after the last line
+
+
+class RepeatedCustomId(ValueError):
+    """A custom_id seen before on stdin, which cannot be checked before the job starts."""
+
+
+@dataclass
+class Summary:
+    """What a job did: requests answered this run (failed among them), those skipped as already in the output,
+    tokens, and why it stopped early (None: it did not)."""
+
+    requests: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_time_s: float = 0.0
+    stopped_by: str | None = None
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def add(self, answer: Answer) -> None:
+        self.requests += 1
+        self.failed += answer.failed
+        self.prompt_tokens += answer.prompt_tokens
+        self.completion_tokens += answer.completion_tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def finish(self) -> None:
+        self.wall_time_s = round(time.perf_counter() - self.started, 3)
+
+    def as_json(self) -> dict:
+        data = asdict(self)
+        del data["started"]
+        data["tokens_per_s"] = round(self.tokens / self.wall_time_s, 1) if self.wall_time_s else None
+        return data
+
+    def line(self, output: str) -> str:
+        skipped = f", {self.skipped} skipped as already in {output}" if self.skipped else ""
+        rate = f" ({self.tokens / self.wall_time_s:,.0f} tok/s)" if self.wall_time_s else ""
+        return (f"{self.requests} requests ({self.failed} failed{skipped}), {self.prompt_tokens:,} prompt + "
+                f"{self.completion_tokens:,} completion tokens in {self.wall_time_s:.1f} s{rate}")
+
+
+async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDecodeError]], done: set[int],
+                  writer: ResultWriter, progress: Progress, summary: Summary, max_in_flight: int,
+                  source: str) -> None:
+    """Answer every line whose key is not in `done`, each written as it completes. Cancelling the call
+    cancels the requests in flight (their lines are not written: a rerun does them)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, min(max_in_flight, 256)))
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=_read, args=(lines, queue, loop), name="minigpt-batch-reader", daemon=True).start()
+    slots = asyncio.Semaphore(max_in_flight)  # lines read ahead of their results
+    seen: set[int] = set()
+    tasks: set[asyncio.Task] = set()
+
+    async def complete(number: int, text: str | UnicodeDecodeError) -> None:
+        try:
+            answer = await answerer.answer(number, text)
+            writer.write(answer.record)
+            summary.add(answer)
+            progress.update(summary.requests, summary.tokens, summary.failed)
+        finally:
+            slots.release()
+
+    try:
+        while True:
+            await slots.acquire()
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is END:
+                break
+            number, text = item
+            key = line_key(custom_id_of(text), number)
+            if key in done:
+                summary.skipped += 1
+                slots.release()
+                continue
+            if key in seen:
+                raise RepeatedCustomId(f"line {number} of {source} repeats a custom_id given before "
+                                       f"({custom_id_of(text)!r}): custom_ids must be unique")
+            seen.add(key)
+            task = asyncio.create_task(complete(number, text))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:  # a failed write (a full disk) ends the job
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _read(lines: Iterator, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+    """The reader thread: a read from stdin may block for as long as its writer waits, never the loop."""
+    try:
+        for item in lines:
+            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+        asyncio.run_coroutine_threadsafe(queue.put(END), loop).result()
+    except RuntimeError:  # the loop closed: the job ended first
+        pass
+    except Exception as err:  # reading failed: the job reports it
+        try:
+            asyncio.run_coroutine_threadsafe(queue.put(err), loop).result()
+        except RuntimeError:
+            pass
