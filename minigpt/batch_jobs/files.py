@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -103,5 +104,6 @@ class ResultWriter:
     def close(self) -> None:
         self.stream.flush()
         if self.stream is not sys.stdout.buffer:
-            os.fsync(self.stream.fileno())
+            if stat.S_ISREG(os.fstat(self.stream.fileno()).st_mode):  # on disk, not only in the page cache
+                os.fsync(self.stream.fileno())
             self.stream.close()
