@@ -112,7 +112,8 @@ def _run(args: argparse.Namespace, name: str, llm, template, stream, done: set[i
             answerer = Answerer(llm, args.served_model_name or served_name(args.model), template,
                                 Window(args.max_in_flight))
             await _until_stopped(run_job(answerer, numbered_lines(stream), done, writer, progress, summary,
-                                         args.max_in_flight, args.input if args.input != "-" else "stdin"), summary)
+                                         args.max_in_flight, args.input if args.input != "-" else "stdin",
+                                         check_repeats=total is None), summary)
 
         asyncio.run(job())
     except RepeatedCustomId as err:

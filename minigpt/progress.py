@@ -26,27 +26,34 @@ def announce(logger: logging.Logger, message: str, *args: object) -> None:
 
 
 class Progress:
-    """Redraws `done/total requests, tok/s[, failed][, ETA]` in place on a terminal; elsewhere (a log) writes
-    it as a line every `every` seconds. Silent unless stderr is a terminal or `enabled=True`, and for
-    batches too small to need it. `total` None: a count with no end known (a job reading stdin)."""
+    """Redraws `done/total requests, tok/s[, failed][, ETA]` in place on a terminal (at most 10 times a second);
+    elsewhere (a log) writes it as a line every `every` seconds. Silent unless stderr is a terminal or
+    `enabled=True`, and for batches too small to need it. `total` None: a count with no end known (a job
+    reading stdin). `close` shows the last update if it was held back."""
 
     def __init__(self, total: int | None, enabled: bool | None = None, min_total: int = 8,
                  every: float = 10.0) -> None:
         if enabled is None:
             enabled = sys.stderr.isatty() and (total is None or total >= min_total)
-        self.enabled, self.total, self.every = enabled, total, every
+        self.enabled, self.total = enabled, total
         self.terminal = sys.stderr.isatty()
+        self.every = 0.1 if self.terminal else every
         self.start = time.perf_counter()
         self._written = self.start
+        self._held: tuple[int, int, int | None] | None = None
         self._drawn = False
 
     def update(self, done: int, tokens: int, failed: int | None = None) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if not self.terminal and now - self._written < self.every:
+        if now - self._written < self.every and not (self.terminal and not self._drawn):
+            self._held = (done, tokens, failed)
             return
-        self._written = now
+        self._write(now, done, tokens, failed)
+
+    def _write(self, now: float, done: int, tokens: int, failed: int | None) -> None:
+        self._written, self._held = now, None
         elapsed = max(now - self.start, 1e-9)
         line = f"{done}/{self.total} requests" if self.total is not None else f"{done} requests"
         line += f", {tokens / elapsed:,.0f} tok/s"
@@ -62,6 +69,8 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
+        if self._held is not None and self.terminal:
+            self._write(time.perf_counter(), *self._held)
         if self._drawn:
             sys.stderr.write("\n")
             sys.stderr.flush()

@@ -3,7 +3,7 @@ in flight answered at once (the engine batches them continuously), each result w
 
 Memory stays flat whatever the file's length: at most `max_in_flight` lines are read ahead of their results,
 and the engine holds at most `max_in_flight` requests; what grows with the file is one 16-byte key per line
-(the custom_ids seen and done, to skip and to refuse repeats).
+(to refuse repeated custom_ids, and to skip those done).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ class Summary:
 
 async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDecodeError]], done: set[int],
                   writer: ResultWriter, progress: Progress, summary: Summary, max_in_flight: int,
-                  source: str) -> None:
-    """Answer every line whose key is not in `done`, each written as it completes. Cancelling the call
-    cancels the requests in flight (their lines are not written: a rerun does them)."""
+                  source: str, check_repeats: bool) -> None:
+    """Answer every line whose key is not in `done`, each written as it completes; with `check_repeats` (input
+    not checked before), a repeated custom_id stops the job. Cancelling the call cancels the requests in
+    flight (their lines are not written: a rerun does them)."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, min(max_in_flight, 256)))
     loop = asyncio.get_running_loop()
     threading.Thread(target=_read, args=(lines, queue, loop), name="minigpt-batch-reader", daemon=True).start()
@@ -100,10 +101,11 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
                 summary.skipped += 1
                 slots.release()
                 continue
-            if key in seen:
-                raise RepeatedCustomId(f"line {number} of {source} repeats a custom_id given before "
-                                       f"({custom_id_of(text)!r}): custom_ids must be unique")
-            seen.add(key)
+            if check_repeats:
+                if key in seen:
+                    raise RepeatedCustomId(f"line {number} of {source} repeats a custom_id given before "
+                                           f"({custom_id_of(text)!r}): custom_ids must be unique")
+                seen.add(key)
             task = asyncio.create_task(complete(number, text))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
