@@ -71,9 +71,7 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
     """Answer every line whose key is not in `done`, each written as it completes; with `check_repeats` (input
     not checked before), a repeated custom_id stops the job. Cancelling the call cancels the requests in
     flight (their lines are not written: a rerun does them)."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, min(max_in_flight, 256)))
-    loop = asyncio.get_running_loop()
-    threading.Thread(target=_read, args=(lines, queue, loop), name="minigpt-batch-reader", daemon=True).start()
+    reader = _Reader(lines, asyncio.get_running_loop(), min(max_in_flight, 256))
     slots = asyncio.Semaphore(max_in_flight)  # lines read ahead of their results
     seen: set[int] = set()
     tasks: set[asyncio.Task] = set()
@@ -90,7 +88,7 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
     try:
         while True:
             await slots.acquire()
-            item = await queue.get()
+            item = await reader.get()
             if isinstance(item, BaseException):
                 raise item
             if item is END:
@@ -112,21 +110,46 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
         while tasks:  # a failed write (a full disk) ends the job
             await asyncio.gather(*tasks)
     finally:
+        reader.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _read(lines: Iterator, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
-    """The reader thread: a read from stdin may block for as long as its writer waits, never the loop."""
-    try:
-        for item in lines:
-            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
-        asyncio.run_coroutine_threadsafe(queue.put(END), loop).result()
-    except RuntimeError:  # the loop closed: the job ended first
-        pass
-    except Exception as err:  # reading failed: the job reports it
+class _Reader:
+    """Lines read on a daemon thread of their own, at most `ahead` of the job: a read from stdin may block for
+    as long as its writer waits, never the event loop."""
+
+    def __init__(self, lines: Iterator, loop: asyncio.AbstractEventLoop, ahead: int) -> None:
+        self._lines, self._loop = lines, loop
+        self._queue: asyncio.Queue = asyncio.Queue()  # bounded by _room
+        self._room = threading.Semaphore(ahead)
+        self._stopped = False
+        threading.Thread(target=self._run, name="minigpt-batch-reader", daemon=True).start()
+
+    async def get(self) -> object:
+        """The next (line number, text), END, or the exception that ended the reading."""
+        item = await self._queue.get()
+        self._room.release()
+        return item
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._room.release()  # a reader waiting for room wakes and ends
+
+    def _run(self) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(queue.put(err), loop).result()
-        except RuntimeError:
-            pass
+            for item in self._lines:
+                self._room.acquire()
+                if self._stopped:
+                    return
+                self._put(item)
+            self._put(END)
+        except Exception as err:  # reading failed: the job reports it
+            self._put(err)
+
+    def _put(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop closed: the job ended first
+            self._stopped = True
