@@ -20,12 +20,19 @@ import logging
 import os
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.progress import PREFIX, log_to_stderr
 from minigpt.serve import MISSING_EXTRA, served_name
 from minigpt.weights import resolve_checkpoint
+
+if TYPE_CHECKING:
+    from minigpt.async_engine import AsyncLLM
+    from minigpt.batch_jobs.files import ResultWriter
+    from minigpt.server.chat_template import ChatTemplate
 
 DEFAULT_MAX_IN_FLIGHT = 1024
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -75,36 +82,40 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         done = files.resume_output(args.output) if args.output != "-" else set()
         total = files.scan_input(args.input, done) if args.input != "-" else None
         template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
-        stream = files.open_input(args.input)
     except USER_ERRORS as err:
         print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     from minigpt.async_engine import AsyncLLM
 
     engine_args = engine_args_from(args)
     engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight)  # the window never overflows
-    try:
-        llm = AsyncLLM(args.model, **engine_args)
-    except USER_ERRORS as err:
-        print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
-        return 2
-    try:
-        return _run(args, name, llm, template, stream, done, total)
-    finally:
-        llm.close()
-        if stream is not sys.stdin.buffer:
-            stream.close()
+    with ExitStack() as resources:
+        try:
+            stream = files.open_input(args.input)
+            if stream is not sys.stdin.buffer:
+                resources.callback(stream.close)
+            writer = files.ResultWriter(args.output)
+            resources.callback(writer.close)
+            llm = resources.enter_context(AsyncLLM(args.model, **engine_args))
+        except USER_ERRORS as err:
+            print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        return _run(args, name, llm, template, stream, writer, done, total)
 
 
-def _run(args: argparse.Namespace, name: str, llm, template, stream, done: set[int], total: int | None) -> int:
+def _run(args: argparse.Namespace, name: str, llm: AsyncLLM, template: ChatTemplate | None, stream: BinaryIO,
+         writer: ResultWriter, done: set[int], total: int | None) -> int:
     from minigpt.batch_jobs.answer import Answerer
-    from minigpt.batch_jobs.files import ResultWriter, numbered_lines
-    from minigpt.batch_jobs.job import RepeatedCustomId, Summary, run_job
+    from minigpt.batch_jobs.files import numbered_lines
+    from minigpt.batch_jobs.job import EngineStopped, RepeatedCustomId, Summary, run_job
     from minigpt.batch_jobs.window import Window
     from minigpt.progress import Progress
 
     summary = Summary()
-    writer = ResultWriter(args.output)
     progress = Progress(total, enabled=not args.quiet)
     code, error = 0, None
     try:
@@ -118,6 +129,8 @@ def _run(args: argparse.Namespace, name: str, llm, template, stream, done: set[i
         asyncio.run(job())
     except RepeatedCustomId as err:
         code, error = 2, str(err)
+    except EngineStopped as err:
+        code, error = 1, f"{err}; what is left is not written: run it again"
     except BrokenPipeError:  # stdout's reader left (| head): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
@@ -125,7 +138,7 @@ def _run(args: argparse.Namespace, name: str, llm, template, stream, done: set[i
         code, error = 1, f"cannot write -o {args.output}: {err.strerror or err}"
     finally:
         progress.close()
-        writer.close()
+        writer.flush()
         summary.finish()
     if error is not None:
         print(f"{name}: error: {error}", file=sys.stderr)

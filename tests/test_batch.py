@@ -229,6 +229,46 @@ def test_an_output_file_that_is_no_jobs_output_is_refused(checkpoint, template_f
     assert output.read_text(encoding="utf-8").count("\n") == 3
 
 
+def test_an_engine_that_stops_ends_the_job_without_writing_what_it_did_not_answer(checkpoint, template_file,
+                                                                                  tmp_path, monkeypatch, capsys):
+    import minigpt.batch_jobs.answer as answer
+
+    lines = job_lines(12, max_tokens=2)
+    source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    submitted, submit = [], answer.submit_plan
+
+    def submit_then_stop(llm, plan):
+        handles = submit(llm, plan)
+        submitted.append(plan)
+        if len(submitted) == 6:
+            llm.close()  # the engine thread ends: what runs is aborted, what comes next is refused
+        return handles
+
+    monkeypatch.setattr(answer, "submit_plan", submit_then_stop)
+    args = batch_args(checkpoint, template_file, str(source), str(output), "--quiet", "--max-in-flight", "3")
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "what is left is not written: run it again" in err, err
+    assert "the engine stopped" in err or "the engine is not running" in err, err
+    written = results(output)
+    assert len(written) < len(lines)
+    assert all(line["response"]["status_code"] == 200 for line in written.values())
+    assert all(c["finish_reason"] == "length" for line in written.values()
+               for c in line["response"]["body"]["choices"])
+    monkeypatch.setattr(answer, "submit_plan", submit)
+    assert main(args) == 0
+    assert len(results(output)) == len(lines)
+
+
+def test_an_output_folder_that_does_not_exist_is_one_line(checkpoint, template_file, tmp_path, capsys):
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join(job_lines(1, max_tokens=1)) + "\n", encoding="utf-8")
+    output = tmp_path / "missing" / "results.jsonl"
+    assert main(batch_args(checkpoint, template_file, str(source), str(output), "--quiet")) == 2
+    assert capsys.readouterr().err == f"minigpt.batch: error: cannot write -o {output}: No such file or directory\n"
+
+
 def test_a_repeated_custom_id_is_refused_before_anything_runs(checkpoint, template_file, tmp_path, capsys):
     lines = job_lines(3, max_tokens=1)
     source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"

@@ -140,6 +140,8 @@ class Answerer:
         error = failure(handles)
         if error is not None:
             raise error
+        if any(c.finish_reason == "abort" for out in outputs for c in out.outputs):  # only the engine aborts here
+            raise APIError(503, f"the engine stopped: {self.llm.problem() or 'closed'}", "server_error")
         return outputs
 
 

@@ -95,10 +95,16 @@ class ResultWriter:
     """Appends result lines to `path` (`-`: stdout), each written and flushed whole as it completes."""
 
     def __init__(self, path: str) -> None:
-        self.stream = sys.stdout.buffer if path == "-" else open(path, "ab")  # noqa: SIM115
+        try:
+            self.stream = sys.stdout.buffer if path == "-" else open(path, "ab")  # noqa: SIM115
+        except OSError as err:
+            raise ValueError(f"cannot write -o {path}: {err.strerror}") from None
 
     def write(self, record: dict) -> None:
         self.stream.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        self.stream.flush()
+
+    def flush(self) -> None:
         self.stream.flush()
 
     def close(self) -> None:

@@ -25,6 +25,10 @@ class RepeatedCustomId(ValueError):
     """A custom_id seen before on stdin, which cannot be checked before the job starts."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine can no longer answer (its thread failed): what is left is not written, a rerun does it."""
+
+
 @dataclass
 class Summary:
     """What a job did: requests answered this run (failed among them), those skipped as already in the output,
@@ -75,13 +79,20 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
     slots = asyncio.Semaphore(max_in_flight)  # lines read ahead of their results
     seen: set[int] = set()
     tasks: set[asyncio.Task] = set()
+    job, ended = asyncio.current_task(), []  # ended: what stops the job from inside a line's task
 
     async def complete(number: int, text: str | UnicodeDecodeError) -> None:
         try:
             answer = await answerer.answer(number, text)
+            if answer.record["response"]["status_code"] == 503:
+                raise EngineStopped(answer.record["response"]["body"]["error"]["message"])
             writer.write(answer.record)
             summary.add(answer)
             progress.update(summary.requests, summary.tokens, summary.failed)
+        except Exception as err:  # the engine stopped or the output cannot be written: the job ends
+            if not ended:
+                ended.append(err)
+                job.cancel()
         finally:
             slots.release()
 
@@ -107,8 +118,12 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
             task = asyncio.create_task(complete(number, text))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        while tasks:  # a failed write (a full disk) ends the job
+        while tasks:
             await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        if ended:
+            raise ended[0] from None
+        raise
     finally:
         reader.stop()
         for task in tasks:
