@@ -365,3 +365,20 @@ def test_help_names_the_server_extra():
     result = subprocess.run([sys.executable, "-m", "minigpt.batch", "--help"], cwd=ROOT, capture_output=True,
                             text=True, env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0 and 'pip install "minigpt[server]"' in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_batch_smoke(checkpoint_factory):
+    checkpoint = checkpoint_factory(n_positions=512)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_batch.py"), "--model", str(checkpoint), "--queries", "4",
+         "--max-tokens", "2", "--docs", "2", "--doc-tokens", "8,16", "--rss-lines", "10,20"],
+        capture_output=True, text=True, check=False, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| generate")
+            or line.startswith("| score")]
+    assert [(row[0], row[1]) for row in rows] == [(f"| {name}", way) for name in ("generate", "score")
+                                                  for way in ("batch", "serve", "transformers")]
+    assert [row[3] for row in rows[:3]] == ["8"] * 3  # 4 queries x 2 tokens each way
+    assert len({row[3] for row in rows[3:]}) == 1 and int(rows[3][3]) >= 2 * 8  # the same prompt tokens scored
+    assert "| 20 | " in result.stdout
