@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle
-from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.sampling import TokenLogprobs
 from minigpt.server import protocol
 from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import APIError, check_model, invalid
@@ -109,13 +108,12 @@ def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokeni
     completion = body.completion(prompt, context)
     # the request's name for what completions call max_tokens
     renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
-    plan = EnginePlan([prompt], SamplingParams(), 1, completion.structured_param, renames)
     try:
         params = completion.sampling_params()
         completion.prompts()  # the request-size checks of /v1/completions
     except APIError as err:
-        raise plan.named(err) from None
-    return replace(plan, params=params, n=params.n)
+        raise protocol.renamed(err, renames) from None
+    return EnginePlan([prompt], params, params.n, completion.structured_param, renames)
 
 
 def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokenizer, model: str,

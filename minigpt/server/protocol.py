@@ -109,10 +109,15 @@ class EnginePlan:
 
     def named(self, err: APIError) -> APIError:
         """`err` naming the fields as the body named them (chat's max_completion_tokens for max_tokens)."""
-        for old, new in self.renames.items():
-            err.message = err.message.replace(old, new)
-            err.param = new if err.param == old else err.param
-        return err
+        return renamed(err, self.renames)
+
+
+def renamed(err: APIError, renames: dict[str, str]) -> APIError:
+    """`err` with each field of `renames` (completions field -> the body's name for it) named as the body names it."""
+    for old, new in renames.items():
+        err.message = err.message.replace(old, new)
+        err.param = new if err.param == old else err.param
+    return err
 
 
 def completion_plan(body: CompletionRequest) -> EnginePlan:
