@@ -269,6 +269,14 @@ def test_an_output_folder_that_does_not_exist_is_one_line(checkpoint, template_f
     assert capsys.readouterr().err == f"minigpt.batch: error: cannot write -o {output}: No such file or directory\n"
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_output_that_cannot_be_written_ends_the_job_with_one_line(checkpoint, template_file, tmp_path, capsys):
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join(job_lines(3, max_tokens=1)) + "\n", encoding="utf-8")
+    assert main(batch_args(checkpoint, template_file, str(source), "/dev/full", "--quiet")) == 1
+    assert capsys.readouterr().err == "minigpt.batch: error: cannot write -o /dev/full: No space left on device\n"
+
+
 def test_a_repeated_custom_id_is_refused_before_anything_runs(checkpoint, template_file, tmp_path, capsys):
     lines = job_lines(3, max_tokens=1)
     source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"

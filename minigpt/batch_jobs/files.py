@@ -65,6 +65,8 @@ def resume_output(path: str) -> set[int]:
     """The keys of the results output file `path` holds (none if it does not exist); a last line without its
     newline, torn by a kill, is cut off to be redone. ValueError for a file that is not a job's output."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or a device: nothing to resume
+            return set()
         stream = open(path, "r+b")  # noqa: SIM115
     except FileNotFoundError:
         return set()
@@ -99,17 +101,27 @@ class ResultWriter:
             self.stream = sys.stdout.buffer if path == "-" else open(path, "ab")  # noqa: SIM115
         except OSError as err:
             raise ValueError(f"cannot write -o {path}: {err.strerror}") from None
+        self.failed = False
 
     def write(self, record: dict) -> None:
-        self.stream.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
-        self.stream.flush()
+        try:
+            self.stream.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+            self.stream.flush()
+        except OSError:
+            self.failed = True  # what did not get out stays unwritten: a rerun redoes it
+            raise
 
     def flush(self) -> None:
-        self.stream.flush()
+        if not self.failed:
+            self.stream.flush()
 
     def close(self) -> None:
-        self.stream.flush()
-        if self.stream is not sys.stdout.buffer:
+        if self.stream is sys.stdout.buffer:
+            self.flush()
+        elif self.failed:
+            self.stream.raw.close()  # without flushing the buffer that could not be written
+        else:
+            self.stream.flush()
             if stat.S_ISREG(os.fstat(self.stream.fileno()).st_mode):  # on disk, not only in the page cache
                 os.fsync(self.stream.fileno())
             self.stream.close()
