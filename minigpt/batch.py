@@ -78,32 +78,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         return 2
     if not args.quiet:
         log_to_stderr(logging.INFO)
-    try:
-        done = files.resume_output(args.output) if args.output != "-" else set()
-        total = files.scan_input(args.input, done) if args.input != "-" else None
-        template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
-    except USER_ERRORS as err:
-        print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
     from minigpt.async_engine import AsyncLLM
 
     engine_args = engine_args_from(args)
     engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight)  # the window never overflows
+    writer = None
     with ExitStack() as resources:
         try:
+            writer = files.ResultWriter(args.output)  # first: no other job may write it while this one reads it
+            resources.callback(writer.close)
+            done = files.resume_output(args.output) if args.output != "-" else set()
+            total = files.scan_input(args.input, done) if args.input != "-" else None
+            template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
             stream = files.open_input(args.input)
             if stream is not sys.stdin.buffer:
                 resources.callback(stream.close)
-            writer = files.ResultWriter(args.output)
-            resources.callback(writer.close)
             llm = resources.enter_context(AsyncLLM(args.model, **engine_args))
-        except USER_ERRORS as err:
+        except (*USER_ERRORS, KeyboardInterrupt) as err:
+            if writer is not None:
+                writer.abandon()
+            if isinstance(err, KeyboardInterrupt):
+                return 130
             print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
-            return 130
         return _run(args, name, llm, template, stream, writer, done, total)
 
 

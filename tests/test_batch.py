@@ -277,6 +277,22 @@ def test_an_output_that_cannot_be_written_ends_the_job_with_one_line(checkpoint,
     assert capsys.readouterr().err == "minigpt.batch: error: cannot write -o /dev/full: No space left on device\n"
 
 
+def test_two_jobs_never_write_one_output_at_once(checkpoint, template_file, tmp_path, capsys):
+    from minigpt.batch_jobs.files import ResultWriter
+
+    source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(job_lines(1, max_tokens=1)) + "\n", encoding="utf-8")
+    other = ResultWriter(str(output))  # a job running on it
+    try:
+        assert main(batch_args(checkpoint, template_file, str(source), str(output), "--quiet")) == 2
+    finally:
+        other.close()
+    assert capsys.readouterr().err == f"minigpt.batch: error: another job is writing -o {output}\n"
+    assert output.read_bytes() == b""
+    assert main(batch_args(checkpoint, template_file, str(source), str(output), "--quiet")) == 0
+    assert len(results(output)) == 2
+
+
 def test_a_repeated_custom_id_is_refused_before_anything_runs(checkpoint, template_file, tmp_path, capsys):
     lines = job_lines(3, max_tokens=1)
     source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"

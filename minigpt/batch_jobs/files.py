@@ -4,6 +4,7 @@ appended a whole line at a time, flushed as each result completes. `-` is stdin 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -97,11 +98,24 @@ class ResultWriter:
     """Appends result lines to `path` (`-`: stdout), each written and flushed whole as it completes."""
 
     def __init__(self, path: str) -> None:
+        self.path, self.failed, self._remove = path, False, False
+        self.created = path != "-" and not os.path.lexists(path)
         try:
             self.stream = sys.stdout.buffer if path == "-" else open(path, "ab")  # noqa: SIM115
         except OSError as err:
             raise ValueError(f"cannot write -o {path}: {err.strerror}") from None
-        self.failed = False
+        if path != "-":
+            try:  # one job at a time on an output: two would each write what the other does
+                fcntl.flock(self.stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.stream.close()
+                raise ValueError(f"another job is writing -o {path}") from None
+            except OSError:  # a file system without locks
+                pass
+
+    def abandon(self) -> None:
+        """The job is refused before it wrote anything: `close` removes the file if this job made it."""
+        self._remove = self.created
 
     def write(self, record: dict) -> None:
         try:
@@ -125,3 +139,5 @@ class ResultWriter:
             if stat.S_ISREG(os.fstat(self.stream.fileno()).st_mode):  # on disk, not only in the page cache
                 os.fsync(self.stream.fileno())
             self.stream.close()
+        if self._remove:
+            os.unlink(self.path)
