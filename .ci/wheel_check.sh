@@ -2,7 +2,7 @@
 # minigpt as its users install it: an sdist and a wheel built from this checkout (`python -m build`, the wheel
 # from the sdist), the wheel with its extras in a second fresh virtual environment, then, from a folder outside
 # the source tree: every module imports from site-packages, both command forms generate text from a
-# checkpoint, and the console command, serve and precompile answer. Run by .ci/run, in its environment.
+# checkpoint, and the console command, serve, precompile and batch answer. Run by .ci/run, in its environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source_tree=$PWD
@@ -44,7 +44,7 @@ if [[ -z "${by_module//[[:space:]]/}" || "$by_module" != "$by_command" ]]; then
 fi
 minigpt --version
 minigpt --help >/dev/null
-for command in serve precompile; do
+for command in serve precompile batch; do
     python -m "minigpt.$command" --help >/dev/null
     minigpt "$command" --help >/dev/null
 done

@@ -3,6 +3,7 @@
     minigpt generate --model gpt2 --prompt "Hello"      the same as python -m minigpt.generate ...
     minigpt serve --model gpt2 --port 8000              python -m minigpt.serve ...
     minigpt precompile --model gpt2 --quantize w8a8     python -m minigpt.precompile ...
+    minigpt batch --model gpt2 -i in.jsonl -o out.jsonl python -m minigpt.batch ...
 
 A command is its module's `main(argv, prog)`: the same flags, help, errors and exit codes as the `python -m`
 form, its program named `minigpt COMMAND`.
@@ -22,6 +23,7 @@ COMMANDS = {
     "generate": ("minigpt.generate", "complete prompts: streamed, batched or beam searched"),
     "serve": ("minigpt.serve", "serve a model over the OpenAI API (the server extra)"),
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
+    "batch": ("minigpt.batch", "answer a file of OpenAI Batch requests, resumably (the server extra)"),
 }
 
 

@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minigpt import __version__
-from minigpt.async_engine import AsyncLLM, QueueFullError
-from minigpt.beam_params import BeamSearchParams
+from minigpt.async_engine import AsyncLLM
 from minigpt.request import RequestOutput
 from minigpt.request_handle import RequestHandle
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
-from minigpt.server.errors import APIError, check_model, install_handlers, invalid
+from minigpt.server.errors import APIError, check_model, install_handlers
 from minigpt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from minigpt.server.middleware import BearerAuth, BodyLimits, check_api_key
 from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
+from minigpt.server.submit import failure, submit_plan
 from minigpt.server.tokenization import Tokenization
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,19 +102,12 @@ class CompletionServer:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
-        prompts = body.prompts()
-        if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
-            params: SamplingParams | BeamSearchParams = body.beam_search_params()
-            n = 1 if body.n is None else body.n
-            handles = await self.submit(prompts, params)
-        else:
-            params = body.sampling_params()
-            n = params.n
-            handles = await self.submit(prompts, params, body.structured_param)
-            if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                events = self._stream(handles, prompts, params, bool(body.echo), include_usage)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        plan = protocol.completion_plan(body)
+        handles = await self.submit(plan)
+        if body.stream:  # (beam search refuses stream)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(handles, plan.prompts, plan.params, bool(body.echo), include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             outputs = await unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
         finally:
@@ -124,60 +116,27 @@ class CompletionServer:
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         self.raise_failures(handles)
-        tokenizer = self.llm.tokenizer
-        outputs = [replace(out, outputs=out.outputs[:n]) for out in outputs]
-        choices = [c for i, out in enumerate(outputs)
-                   for c in protocol.completion_choices(out, i * n, bool(body.echo), tokenizer)]
-        return {**self._header(), "choices": choices, "usage": protocol.usage(outputs)}
+        return protocol.completion_body(body, plan, outputs, self.llm.tokenizer, self.model_name,
+                                        protocol.completion_id())
 
-    async def submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
-                     structured_param: str = "structured_outputs") -> list[RequestHandle]:
-        """One engine request per prompt; all or none (a refused prompt cancels those already queued). Made in
-        a worker thread: tokenizing long prompts and compiling a grammar (up to seconds) never hold the event
-        loop; requests made for a client that left meanwhile are cancelled."""
-        made = asyncio.get_running_loop().run_in_executor(None, self._submit, prompts, params, structured_param)
+    async def submit(self, plan: protocol.EnginePlan) -> list[RequestHandle]:
+        """`submit_plan` in a worker thread: tokenizing long prompts and compiling a grammar (up to seconds) never
+        hold the event loop; requests made for a client that left meanwhile are cancelled."""
+        made = asyncio.get_running_loop().run_in_executor(None, submit_plan, self.llm, plan)
         try:
             return await asyncio.shield(made)
         except asyncio.CancelledError:
             made.add_done_callback(_cancel_handles)
             raise
 
-    def _submit(self, prompts: list[protocol.Prompt], params: SamplingParams | BeamSearchParams,
-                structured_param: str) -> list[RequestHandle]:
-        handles: list[RequestHandle] = []
-        if len(prompts) > self.llm.config.max_waiting:  # a 503 would tell the client to retry in vain
-            raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
-                          f"{self.llm.config.max_waiting} (max_waiting)", "prompt")
-        submit = self.llm.submit_beam_search if isinstance(params, BeamSearchParams) else self.llm.submit
-        try:
-            for prompt in prompts:
-                handles.append(submit(prompt, params))
-        except QueueFullError as err:
-            raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        except (ValueError, TypeError) as err:
-            where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
-            # e.g. a logit_bias id past the vocab, a regex the grammar library refuses
-            raise protocol.params_error(err, where, "prompt", structured_param) from None
-        except ImportError as err:  # structured outputs without their extra
-            raise APIError(400, str(err), param=structured_param) from None
-        except RuntimeError as err:  # the engine is closed
-            raise APIError(503, f"the engine is not running: {err}", "server_error") from None
-        finally:
-            if len(handles) < len(prompts):
-                for handle in handles:
-                    handle.cancel()
-        return handles
-
     @staticmethod
     def raise_failures(handles: list[RequestHandle]) -> None:
-        error = next((h.error for h in handles if h.error), None)
+        error = failure(handles)
         if error is not None:
-            raise APIError(500, f"generation failed: {error}", "server_error")
+            raise error
 
     def _header(self) -> dict:
-        return {"id": protocol.completion_id(), "object": "text_completion", "created": protocol.now(),
-                "model": self.model_name}
+        return protocol.header("text_completion", self.model_name, protocol.completion_id())
 
     async def _stream(self, handles: list[RequestHandle], prompts: list[protocol.Prompt], params: SamplingParams,
                       echo: bool, include_usage: bool) -> AsyncIterator[str]:

@@ -20,7 +20,7 @@ from minigpt.sampling import TokenLogprobs
 from minigpt.server import protocol
 from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import APIError, check_model, invalid
-from minigpt.server.protocol import CompletionRequest, SamplingFields
+from minigpt.server.protocol import CompletionRequest, EnginePlan, SamplingFields
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.tokenizer import Tokenizer
 
@@ -97,6 +97,40 @@ def render_messages(template: ChatTemplate | None, messages: list[ChatMessage], 
         raise invalid(str(err), "messages") from None
 
 
+def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer,
+              context: int) -> EnginePlan:
+    """The engine request a chat body asks for, its messages rendered by `template` and tokenized, for a model
+    of `context` positions; a 400 for a body the engine cannot run."""
+    text = render_messages(template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
+    if not prompt:
+        raise invalid("the chat template rendered the messages as an empty prompt", "messages")
+    completion = body.completion(prompt, context)
+    # the request's name for what completions call max_tokens
+    renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+    try:
+        params = completion.sampling_params()
+        completion.prompts()  # the request-size checks of /v1/completions
+    except APIError as err:
+        raise protocol.renamed(err, renames) from None
+    return EnginePlan([prompt], params, params.n, completion.structured_param, renames)
+
+
+def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokenizer, model: str,
+              response_id: str) -> dict:
+    """The /v1/chat/completions answer to `body` from its engine output."""
+    top = body.top_logprobs or 0
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
+                "finish_reason": c.finish_reason} for c in out.outputs]
+    return {**protocol.header("chat.completion", model, response_id), "choices": choices,
+            "usage": protocol.usage([out])}
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{protocol.completion_id().removeprefix('cmpl-')}"
+
+
 class ChatServer:
     """/v1/chat/completions over the completions server's engine, with `template` (None: every call is a 400)."""
 
@@ -107,24 +141,13 @@ class ChatServer:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response | dict:
         server = self.completions
         check_model(body.model, server.model_name)
-        tokenizer = server.llm.tokenizer
-        prompt = await asyncio.to_thread(self._prompt, body)  # rendering may loop for long: off the event loop
-        if not prompt:
-            raise invalid("the chat template rendered the messages as an empty prompt", "messages")
-        completion = body.completion(prompt, server.llm.engine.model_config.n_positions)
-        try:
-            params = completion.sampling_params()
-            completion.prompts()  # the request-size checks of /v1/completions
-            handles = await server.submit([prompt], params, completion.structured_param)
-        except APIError as err:
-            if body.max_completion_tokens is not None:  # the request's name for what completions call max_tokens
-                err.message = err.message.replace("max_tokens", "max_completion_tokens")
-                err.param = "max_completion_tokens" if err.param == "max_tokens" else err.param
-            raise
-        top = body.top_logprobs or 0
+        context = server.llm.engine.model_config.n_positions
+        # rendering may loop for long: off the event loop
+        plan = await asyncio.to_thread(chat_plan, body, self.template, server.llm.tokenizer, context)
+        handles = await server.submit(plan)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handles[0], params.n, top, include_usage)
+            events = self._stream(handles[0], plan.n, body.top_logprobs or 0, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             out = await unless_disconnected(request, handles[0].wait())
@@ -133,18 +156,10 @@ class ChatServer:
         if out is None:
             return Response(status_code=499)  # nobody is listening
         server.raise_failures(handles)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
-                    "finish_reason": c.finish_reason} for c in out.outputs]
-        return {**self._header("chat.completion"), "choices": choices, "usage": protocol.usage([out])}
-
-    def _prompt(self, body: ChatCompletionRequest) -> list[int]:
-        text = render_messages(self.template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        return self.completions.llm.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
+        return chat_body(body, out, server.llm.tokenizer, server.model_name, chat_completion_id())
 
     def _header(self, kind: str) -> dict:
-        return {"id": f"chatcmpl-{protocol.completion_id().removeprefix('cmpl-')}", "object": kind,
-                "created": protocol.now(), "model": self.completions.model_name}
+        return protocol.header(kind, self.completions.model_name, chat_completion_id())
 
     async def _stream(self, handle: RequestHandle, n: int, top: int, include_usage: bool) -> AsyncIterator[str]:
         """OpenAI's chunks: each choice's role first, then its content deltas (with their logprobs), the last

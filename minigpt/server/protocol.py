@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -93,6 +94,48 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What one request body asks of the engine: a request per prompt with `params`, of whose completions
+    the answer shows `n` per prompt. The HTTP endpoints and batch jobs both submit it (minigpt.server.submit)."""
+
+    prompts: list[Prompt]
+    params: SamplingParams | BeamSearchParams
+    n: int
+    structured_param: str = "structured_outputs"  # the field a structured-output constraint came from
+    renames: dict[str, str] = field(default_factory=dict)  # completions field -> the body's name for it
+
+    def named(self, err: APIError) -> APIError:
+        """`err` naming the fields as the body named them (chat's max_completion_tokens for max_tokens)."""
+        return renamed(err, self.renames)
+
+
+def renamed(err: APIError, renames: dict[str, str]) -> APIError:
+    """`err` with each field of `renames` (completions field -> the body's name for it) named as the body names it."""
+    for old, new in renames.items():
+        err.message = err.message.replace(old, new)
+        err.param = new if err.param == old else err.param
+    return err
+
+
+def completion_plan(body: CompletionRequest) -> EnginePlan:
+    """The engine requests a /v1/completions body asks for; a 400 for a body the engine cannot run."""
+    prompts = body.prompts()
+    if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
+        return EnginePlan(prompts, body.beam_search_params(), 1 if body.n is None else body.n)
+    params = body.sampling_params()
+    return EnginePlan(prompts, params, params.n, body.structured_param)
+
+
+def completion_body(body: CompletionRequest, plan: EnginePlan, outputs: list[RequestOutput], tokenizer: Tokenizer,
+                    model: str, response_id: str) -> dict:
+    """The /v1/completions answer to `body` from its engine outputs (one per prompt of `plan`)."""
+    outputs = [replace(out, outputs=out.outputs[: plan.n]) for out in outputs]
+    choices = [c for i, out in enumerate(outputs)
+               for c in completion_choices(out, i * plan.n, bool(body.echo), tokenizer)]
+    return {**header("text_completion", model, response_id), "choices": choices, "usage": usage(outputs)}
 
 
 class CompletionRequest(SamplingFields):
@@ -258,6 +301,11 @@ def structured_error(err: ValueError, param: str) -> str:
 
 def completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
+
+
+def header(kind: str, model: str, response_id: str) -> dict:
+    """The fields every answer (and every chunk of a stream) opens with; `kind` is OpenAI's `object`."""
+    return {"id": response_id, "object": kind, "created": now(), "model": model}
 
 
 def now() -> int:

@@ -1,0 +1,53 @@
+"""An `EnginePlan` submitted to the engine, and its failures, as OpenAI errors: the HTTP endpoints and
+batch jobs (minigpt/batch.py) both submit through here."""
+
+from __future__ import annotations
+
+from minigpt.async_engine import AsyncLLM, QueueFullError
+from minigpt.beam_params import BeamSearchParams
+from minigpt.request_handle import RequestHandle
+from minigpt.server.errors import APIError, invalid
+from minigpt.server.protocol import EnginePlan, params_error
+
+
+def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
+    """One engine request per prompt; all or none (a refused prompt cancels those already queued). Tokenizes
+    and may compile a grammar (up to seconds): callers on an event loop run it in a worker thread."""
+    try:
+        return _submit(llm, plan)
+    except APIError as err:
+        raise plan.named(err) from None
+
+
+def _submit(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
+    prompts, params = plan.prompts, plan.params
+    handles: list[RequestHandle] = []
+    if len(prompts) > llm.config.max_waiting:  # a 503 would tell the client to retry in vain
+        raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
+                      f"{llm.config.max_waiting} (max_waiting)", "prompt")
+    submit = llm.submit_beam_search if isinstance(params, BeamSearchParams) else llm.submit
+    try:
+        for prompt in prompts:
+            handles.append(submit(prompt, params))
+    except QueueFullError as err:
+        raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except (ValueError, TypeError) as err:
+        where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
+        # e.g. a logit_bias id past the vocab, a regex the grammar library refuses
+        raise params_error(err, where, "prompt", plan.structured_param) from None
+    except ImportError as err:  # structured outputs without their extra
+        raise APIError(400, str(err), param=plan.structured_param) from None
+    except RuntimeError as err:  # the engine is closed
+        raise APIError(503, f"the engine is not running: {err}", "server_error") from None
+    finally:
+        if len(handles) < len(prompts):
+            for handle in handles:
+                handle.cancel()
+    return handles
+
+
+def failure(handles: list[RequestHandle]) -> APIError | None:
+    """The 500 for requests the engine failed (finish_reason "error"); None when none failed."""
+    error = next((h.error for h in handles if h.error), None)
+    return None if error is None else APIError(500, f"generation failed: {error}", "server_error")
