@@ -23,7 +23,7 @@ COMMANDS = {
     "generate": ("minigpt.generate", "complete prompts: streamed, batched or beam searched"),
     "serve": ("minigpt.serve", "serve a model over the OpenAI API (the server extra)"),
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
-    "batch": ("minigpt.batch", "answer a file of OpenAI Batch requests (the server extra)"),
+    "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
 }
 
 
