@@ -80,6 +80,8 @@ class PagedAttention:
         meta, scale = self.meta, self.scales[layer]
         k_cache, v_cache = self.kv_pool[layer]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_cache.dtype != k.dtype:  # the chunk attends to its K/V as the pool keeps them, as later steps read them
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
         parts, segments = [], meta.prefills
         if self.fresh_mask is not None:
             fresh = self.fresh_mask.shape[0]
@@ -112,7 +114,8 @@ class PoolAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dtype, pool = q.dtype, self.kv_pool[layer]
-        q, k, v = q.float() * self.scales[layer], k.float(), v.float()
+        # its own K/V as the pool keeps them, as a step among prompts reads them from there
+        q, k, v = q.float() * self.scales[layer], k.to(pool.dtype).float(), v.to(pool.dtype).float()
         y = attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
         return y.to(dtype).reshape(q.shape[0], -1)
 
