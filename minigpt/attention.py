@@ -100,6 +100,26 @@ class PagedAttention:
         return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
+class InvariantAttention(PagedAttention):
+    """`PagedAttention` for `batch_invariant=True`: every query, of a prompt chunk or a decode, attends
+    through `invariant_attention` over its sequence's pages, so a token's attention is the same bits
+    whichever step computes it and whatever else that step holds. Every prompt chunk has its pages."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, scale = self.meta, self.scales[layer]
+        k_cache, v_cache = self.kv_pool[layer]
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = [
+            invariant_prefill(q[seg.start : seg.start + seg.length], k_cache, v_cache, seg, scale)
+            for seg in meta.prefills
+        ]
+        if meta.decode_block_tables is not None:
+            parts.append(invariant_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.to(q.dtype).reshape(q.shape[0], -1)
+
+
 class PoolAttention:
     """One new token per sequence over its cached pages and itself, reading the pool, never writing it.
 
@@ -231,3 +251,73 @@ def paged_decode(
     values = pages[tables + first_pages[1]].float()
     cached = in_context(block_tables, context_lens, pages.shape[1])
     return attend(query.float() * scale, keys, values, cached).to(query.dtype)
+
+
+INVARIANT_ROWS = 16  # queries in each of `invariant_attention`'s products
+INVARIANT_KEYS = 64  # keys summed in each product of weights and values
+
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Attention whose every row is computed the same way whatever the rows beside it and the keys past its
+    length: q [B, INVARIANT_ROWS, H, D] against keys and values [B, L, H, D] (L a multiple of
+    INVARIANT_KEYS), row r of b seeing the first lengths[b, r] >= 1 keys -> [B, INVARIANT_ROWS, H, D] fp32.
+
+    A float matrix product's reduction order follows its shapes, so every product here has shapes that
+    do not depend on the batch: INVARIANT_ROWS rows, and the weighted values summed INVARIANT_KEYS keys
+    at a time, those sums added in order (a key past a row's length adds an exact zero). The softmax's
+    denominator is summed with the values, as a column of ones."""
+    batch, rows, heads, dim = q.shape
+    length = keys.shape[1]
+    scores = torch.matmul(q.float().permute(0, 2, 1, 3), keys.float().permute(0, 2, 3, 1)) * scale  # (B, H, R, L)
+    visible = torch.arange(length, device=q.device) < lengths[:, None, :, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    ones = values.new_ones(batch, length, heads, 1, dtype=torch.float32)
+    extended = torch.cat([values.float(), ones], -1).permute(0, 2, 1, 3)  # (B, H, L, D + 1)
+    pieces = length // INVARIANT_KEYS
+    parts = torch.matmul(weights.view(batch, heads, rows, pieces, INVARIANT_KEYS).transpose(2, 3),
+                         extended.reshape(batch, heads, pieces, INVARIANT_KEYS, dim + 1))  # (B, H, P, R, D + 1)
+    total = parts[:, :, 0]
+    for piece in range(1, pieces):
+        total = total + parts[:, :, piece]
+    return (total[..., :dim] / total[..., dim:]).transpose(1, 2)
+
+
+def _padded_keys(pages: torch.Tensor) -> torch.Tensor:
+    """Pages (B, W, block_size, H, D) as tokens (B, L, H, D), zeros added up to a multiple of INVARIANT_KEYS."""
+    tokens = pages.flatten(1, 2)
+    return F.pad(tokens, (0, 0, 0, 0, 0, -tokens.shape[1] % INVARIANT_KEYS))
+
+
+def invariant_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segment: PrefillSegment,
+                      scale: float) -> torch.Tensor:
+    """A prompt chunk q [T, H, D] through `invariant_attention` over its pages (the chunk's K/V stored),
+    INVARIANT_ROWS queries at a time, each against the keys up to the last one it sees -> [T, H, D] fp32."""
+    length, context_len = segment.length, segment.context_len
+    keys, values = (_padded_keys(cache[segment.block_table][None]) for cache in (k_cache, v_cache))
+    seen = torch.arange(context_len - length + 1, context_len + 1, device=q.device)
+    out = []
+    for start in range(0, length, INVARIANT_ROWS):
+        rows = q[start : start + INVARIANT_ROWS]
+        lengths = seen[start : start + INVARIANT_ROWS]
+        pad = INVARIANT_ROWS - len(rows)
+        if pad:
+            rows = F.pad(rows, (0, 0, 0, 0, 0, pad))
+            lengths = F.pad(lengths, (0, pad), value=1)
+        used = -(-int(lengths.max()) // INVARIANT_KEYS) * INVARIANT_KEYS
+        attended = invariant_attention(rows[None], keys[:, :used], values[:, :used], lengths[None], scale)
+        out.append(attended[0, : INVARIANT_ROWS - pad])
+    return torch.cat(out)
+
+
+def invariant_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decodes q [B, H, D] (this step's K/V stored) through `invariant_attention`, each query the first
+    row of its own INVARIANT_ROWS -> [B, H, D] fp32."""
+    tables = block_tables.long()
+    keys, values = (_padded_keys(cache[tables]) for cache in (k_cache, v_cache))
+    rows = F.pad(q[:, None], (0, 0, 0, 0, 0, INVARIANT_ROWS - 1))
+    lengths = torch.ones(len(q), INVARIANT_ROWS, dtype=context_lens.dtype, device=q.device)
+    lengths[:, 0] = context_lens
+    return invariant_attention(rows, keys, values, lengths, scale)[:, 0]

@@ -54,6 +54,10 @@ class EngineConfig:
     compile_cache_dir: str | None = _setting(
         None, "where compile=True keeps its compiled steps (default: $MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
     )
+    batch_invariant: bool = _setting(
+        False, "CPU: a request's tokens and logprobs bitwise the same whatever it is batched with, however its "
+        "prompt is chunked or cached, preempted or drafted for (float modes too; costs speed)"
+    )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     # bounds on one request's work, and on a step's
     max_stop_strings: int = _setting(256, "stop strings a request may give")
@@ -76,7 +80,7 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
-        for name in ("enable_prefix_caching", "compile", "enforce_eager"):
+        for name in ("enable_prefix_caching", "compile", "enforce_eager", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_cache_dtype is not None:
@@ -93,6 +97,10 @@ class EngineConfig:
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
                              "supported yet: use one or the other")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
+        if self.batch_invariant and self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
+            raise ValueError("batch_invariant=True with compile=True needs quantize='w8a8'")
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:
