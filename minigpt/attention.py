@@ -253,41 +253,51 @@ def paged_decode(
     return attend(query.float() * scale, keys, values, cached).to(query.dtype)
 
 
-INVARIANT_ROWS = 16  # queries in each of `invariant_attention`'s products
+INVARIANT_ROWS = 4  # queries in each of `invariant_attention`'s products
 INVARIANT_KEYS = 64  # keys summed in each product of weights and values
 
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """Attention whose every row is computed the same way whatever the rows beside it and the keys past its
-    length: q [B, INVARIANT_ROWS, H, D] against keys and values [B, L, H, D] (L a multiple of
-    INVARIANT_KEYS), row r of b seeing the first lengths[b, r] >= 1 keys -> [B, INVARIANT_ROWS, H, D] fp32.
+    length: q [B, H, INVARIANT_ROWS, D] against keys [B, H, P, INVARIANT_KEYS, D] and values with a column
+    of ones [B, H, P, INVARIANT_KEYS, D + 1] (`invariant_keys`), row r of b seeing the first lengths[b, r] >= 1
+    keys -> [B, H, INVARIANT_ROWS, D] fp32.
 
-    A float matrix product's reduction order follows its shapes, so every product here has shapes that
-    do not depend on the batch: INVARIANT_ROWS rows, and the weighted values summed INVARIANT_KEYS keys
-    at a time, those sums added in order (a key past a row's length adds an exact zero). The softmax's
-    denominator is summed with the values, as a column of ones."""
-    batch, rows, heads, dim = q.shape
-    length = keys.shape[1]
-    scores = torch.matmul(q.float().permute(0, 2, 1, 3), keys.float().permute(0, 2, 3, 1)) * scale  # (B, H, R, L)
-    visible = torch.arange(length, device=q.device) < lengths[:, None, :, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-    ones = values.new_ones(batch, length, heads, 1, dtype=torch.float32)
-    extended = torch.cat([values.float(), ones], -1).permute(0, 2, 1, 3)  # (B, H, L, D + 1)
-    pieces = length // INVARIANT_KEYS
-    parts = torch.matmul(weights.view(batch, heads, rows, pieces, INVARIANT_KEYS).transpose(2, 3),
-                         extended.reshape(batch, heads, pieces, INVARIANT_KEYS, dim + 1))  # (B, H, P, R, D + 1)
+    A float matrix product's reduction order follows its shapes, so every product here has the same shapes
+    whatever the batch: INVARIANT_ROWS rows against INVARIANT_KEYS keys, the weighted values of each
+    INVARIANT_KEYS keys then added in order (a key past a row's length adds an exact zero). The softmax's
+    denominator is summed with the values, by their column of ones."""
+    batch, heads, pieces, width, dim = keys.shape
+    scores = torch.matmul(q.float()[:, :, None], keys.transpose(-1, -2)) * scale  # (B, H, P, R, K)
+    position = torch.arange(pieces * width, device=q.device).view(pieces, 1, width)
+    scores = scores.masked_fill(position >= lengths[:, None, None, :, None], float("-inf"))
+    weights = torch.exp(scores - scores.amax((2, 4), keepdim=True))
+    parts = torch.matmul(weights, values)  # (B, H, P, R, D + 1)
     total = parts[:, :, 0]
     for piece in range(1, pieces):
         total = total + parts[:, :, piece]
-    return (total[..., :dim] / total[..., dim:]).transpose(1, 2)
+    return total[..., :dim] / total[..., dim:]
 
 
-def _padded_keys(pages: torch.Tensor) -> torch.Tensor:
-    """Pages (B, W, block_size, H, D) as tokens (B, L, H, D), zeros added up to a multiple of INVARIANT_KEYS."""
-    tokens = pages.flatten(1, 2)
-    return F.pad(tokens, (0, 0, 0, 0, 0, -tokens.shape[1] % INVARIANT_KEYS))
+def invariant_keys(cache: torch.Tensor, tables: torch.Tensor, ones: bool = False) -> torch.Tensor:
+    """The pages of `tables` [B, W] (W * block_size a multiple of INVARIANT_KEYS) of one layer's keys or
+    values (blocks, block_size, H, D) as `invariant_attention` takes them: fp32 [B, H, P, INVARIANT_KEYS, D],
+    values with a column of ones after their D."""
+    pages = cache[tables]  # (B, W, block_size, H, D)
+    batch, width, block_size, heads, dim = pages.shape
+    out = pages.new_empty(batch, heads, width * block_size, dim + ones, dtype=torch.float32)
+    out[..., :dim].view(batch, heads, width, block_size, dim).copy_(pages.permute(0, 3, 1, 2, 4))
+    if ones:
+        out[..., dim] = 1.0
+    return out.view(batch, heads, -1, INVARIANT_KEYS, dim + ones)
+
+
+def _whole_pieces(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block tables [B, W] with pages added (page 0: never attended to) up to whole INVARIANT_KEYS tokens
+    (EngineConfig has a block_size that divides INVARIANT_KEYS or that it divides)."""
+    pages = -(-INVARIANT_KEYS // block_size)
+    return F.pad(tables, (0, -tables.shape[1] % pages))
 
 
 def invariant_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segment: PrefillSegment,
@@ -295,29 +305,27 @@ def invariant_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """A prompt chunk q [T, H, D] through `invariant_attention` over its pages (the chunk's K/V stored),
     INVARIANT_ROWS queries at a time, each against the keys up to the last one it sees -> [T, H, D] fp32."""
     length, context_len = segment.length, segment.context_len
-    keys, values = (_padded_keys(cache[segment.block_table][None]) for cache in (k_cache, v_cache))
+    tables = _whole_pieces(segment.block_table[None], k_cache.shape[1])
+    keys, values = invariant_keys(k_cache, tables), invariant_keys(v_cache, tables, ones=True)
     seen = torch.arange(context_len - length + 1, context_len + 1, device=q.device)
+    rows = F.pad(q, (0, 0, 0, 0, 0, -length % INVARIANT_ROWS)).transpose(0, 1)[None]  # (1, H, T', D)
+    lengths = F.pad(seen, (0, -length % INVARIANT_ROWS), value=1)
     out = []
     for start in range(0, length, INVARIANT_ROWS):
-        rows = q[start : start + INVARIANT_ROWS]
-        lengths = seen[start : start + INVARIANT_ROWS]
-        pad = INVARIANT_ROWS - len(rows)
-        if pad:
-            rows = F.pad(rows, (0, 0, 0, 0, 0, pad))
-            lengths = F.pad(lengths, (0, pad), value=1)
-        used = -(-int(lengths.max()) // INVARIANT_KEYS) * INVARIANT_KEYS
-        attended = invariant_attention(rows[None], keys[:, :used], values[:, :used], lengths[None], scale)
-        out.append(attended[0, : INVARIANT_ROWS - pad])
-    return torch.cat(out)
+        tile = lengths[start : start + INVARIANT_ROWS]
+        used = -(-int(tile.max()) // INVARIANT_KEYS)  # the pieces holding a key this tile sees
+        out.append(invariant_attention(rows[:, :, start : start + INVARIANT_ROWS], keys[:, :, :used],
+                                       values[:, :, :used], tile[None], scale))
+    return torch.cat(out, 2)[0, :, :length].transpose(0, 1)
 
 
 def invariant_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decodes q [B, H, D] (this step's K/V stored) through `invariant_attention`, each query the first
     row of its own INVARIANT_ROWS -> [B, H, D] fp32."""
-    tables = block_tables.long()
-    keys, values = (_padded_keys(cache[tables]) for cache in (k_cache, v_cache))
-    rows = F.pad(q[:, None], (0, 0, 0, 0, 0, INVARIANT_ROWS - 1))
+    tables = _whole_pieces(block_tables.long(), k_cache.shape[1])
+    keys, values = invariant_keys(k_cache, tables), invariant_keys(v_cache, tables, ones=True)
+    rows = F.pad(q[:, :, None], (0, 0, 0, INVARIANT_ROWS - 1))  # (B, H, R, D)
     lengths = torch.ones(len(q), INVARIANT_ROWS, dtype=context_lens.dtype, device=q.device)
     lengths[:, 0] = context_lens
-    return invariant_attention(rows, keys, values, lengths, scale)[:, 0]
+    return invariant_attention(rows, keys, values, lengths, scale)[:, :, 0]

@@ -13,6 +13,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
+from minigpt.attention import INVARIANT_KEYS
 from minigpt.speculative.config import SpeculativeConfig
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
@@ -99,6 +100,9 @@ class EngineConfig:
                              "supported yet: use one or the other")
         if self.batch_invariant and self.device != "cpu":
             raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
+        if self.batch_invariant and INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
+            raise ValueError(f"batch_invariant=True needs a block_size that divides {INVARIANT_KEYS} or that it "
+                             f"divides, got {self.block_size}")
         if self.batch_invariant and self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
             raise ValueError("batch_invariant=True with compile=True needs quantize='w8a8'")
         if self.compile:

@@ -102,6 +102,7 @@ def test_fast_mode_is_invariant(tiny_checkpoint):
 @pytest.mark.parametrize(("args", "message"), [
     (dict(device="cuda"), "is for the CPU"),
     (dict(compile=True), "needs quantize='w8a8'"),
+    (dict(block_size=48), "needs a block_size that divides 64"),
 ])
 def test_refused_where_not_covered(args, message):
     with pytest.raises(ValueError, match=message):
