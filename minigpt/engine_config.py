@@ -100,6 +100,9 @@ class EngineConfig:
                              "supported yet: use one or the other")
         if self.batch_invariant and self.device != "cpu":
             raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant=True with tensor_parallel_size > 1 is not supported: use one or the "
+                             "other")
         if self.batch_invariant and INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
             raise ValueError(f"batch_invariant=True needs a block_size that divides {INVARIANT_KEYS} or that it "
                              f"divides, got {self.block_size}")

@@ -103,6 +103,7 @@ def test_fast_mode_is_invariant(tiny_checkpoint):
     (dict(device="cuda"), "is for the CPU"),
     (dict(compile=True), "needs quantize='w8a8'"),
     (dict(block_size=48), "needs a block_size that divides 64"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size > 1 is not supported"),
 ])
 def test_refused_where_not_covered(args, message):
     with pytest.raises(ValueError, match=message):
