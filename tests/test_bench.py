@@ -73,7 +73,10 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     peer = bench.MinigptPeer()
     assert peer._engine_args("w8a8+compile+kv-bfloat16") == {
         "dtype": "float32", "quantize": "w8a8", "compile": True, "kv_cache_dtype": "bfloat16",
-        "num_threads": bench.P.THREADS,
+        "num_threads": bench.P.THREADS, "device": peer.device, "enforce_eager": False, "batch_invariant": False,
     }
-    assert peer._engine_args("bfloat16") == {"dtype": "bfloat16", "compile": False, "num_threads": bench.P.THREADS}
+    assert peer._engine_args("bfloat16+invariant") == {
+        "dtype": "bfloat16", "compile": False, "num_threads": bench.P.THREADS, "device": peer.device,
+        "enforce_eager": False, "batch_invariant": True,
+    }
     assert "w8a8+compile+kv-float16" in peer.extra_dtypes and "w8a8+kv-float16" not in peer.extra_dtypes
