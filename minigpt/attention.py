@@ -80,6 +80,8 @@ class PagedAttention:
         meta, scale = self.meta, self.scales[layer]
         k_cache, v_cache = self.kv_pool[layer]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_cache.dtype != k.dtype:  # the chunk attends to its K/V as the pool keeps them, as later steps read them
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
         parts, segments = [], meta.prefills
         if self.fresh_mask is not None:
             fresh = self.fresh_mask.shape[0]
@@ -98,6 +100,26 @@ class PagedAttention:
         return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
+class InvariantAttention(PagedAttention):
+    """`PagedAttention` for `batch_invariant=True`: every query, of a prompt chunk or a decode, attends
+    through `invariant_attention` over its sequence's pages, so a token's attention is the same bits
+    whichever step computes it and whatever else that step holds. Every prompt chunk has its pages."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, scale = self.meta, self.scales[layer]
+        k_cache, v_cache = self.kv_pool[layer]
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = [
+            invariant_prefill(q[seg.start : seg.start + seg.length], k_cache, v_cache, seg, scale)
+            for seg in meta.prefills
+        ]
+        if meta.decode_block_tables is not None:
+            parts.append(invariant_decode(q[meta.num_prefill_tokens :], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, scale))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.to(q.dtype).reshape(q.shape[0], -1)
+
+
 class PoolAttention:
     """One new token per sequence over its cached pages and itself, reading the pool, never writing it.
 
@@ -112,7 +134,8 @@ class PoolAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dtype, pool = q.dtype, self.kv_pool[layer]
-        q, k, v = q.float() * self.scales[layer], k.float(), v.float()
+        # its own K/V as the pool keeps them, as a step among prompts reads them from there
+        q, k, v = q.float() * self.scales[layer], k.to(pool.dtype).float(), v.to(pool.dtype).float()
         y = attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
         return y.to(dtype).reshape(q.shape[0], -1)
 
@@ -228,3 +251,81 @@ def paged_decode(
     values = pages[tables + first_pages[1]].float()
     cached = in_context(block_tables, context_lens, pages.shape[1])
     return attend(query.float() * scale, keys, values, cached).to(query.dtype)
+
+
+INVARIANT_ROWS = 4  # queries in each of `invariant_attention`'s products
+INVARIANT_KEYS = 64  # keys summed in each product of weights and values
+
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Attention whose every row is computed the same way whatever the rows beside it and the keys past its
+    length: q [B, H, INVARIANT_ROWS, D] against keys [B, H, P, INVARIANT_KEYS, D] and values with a column
+    of ones [B, H, P, INVARIANT_KEYS, D + 1] (`invariant_keys`), row r of b seeing the first lengths[b, r] >= 1
+    keys -> [B, H, INVARIANT_ROWS, D] fp32.
+
+    A float matrix product's reduction order follows its shapes, so every product here has the same shapes
+    whatever the batch: INVARIANT_ROWS rows against INVARIANT_KEYS keys, the weighted values of each
+    INVARIANT_KEYS keys then added in order (a key past a row's length adds an exact zero). The softmax's
+    denominator is summed with the values, by their column of ones."""
+    batch, heads, pieces, width, dim = keys.shape
+    scores = torch.matmul(q.float()[:, :, None], keys.transpose(-1, -2)) * scale  # (B, H, P, R, K)
+    position = torch.arange(pieces * width, device=q.device).view(pieces, 1, width)
+    scores = scores.masked_fill(position >= lengths[:, None, None, :, None], float("-inf"))
+    weights = torch.exp(scores - scores.amax((2, 4), keepdim=True))
+    parts = torch.matmul(weights, values)  # (B, H, P, R, D + 1)
+    total = parts[:, :, 0]
+    for piece in range(1, pieces):
+        total = total + parts[:, :, piece]
+    return total[..., :dim] / total[..., dim:]
+
+
+def invariant_keys(cache: torch.Tensor, tables: torch.Tensor, ones: bool = False) -> torch.Tensor:
+    """The pages of `tables` [B, W] (W * block_size a multiple of INVARIANT_KEYS) of one layer's keys or
+    values (blocks, block_size, H, D) as `invariant_attention` takes them: fp32 [B, H, P, INVARIANT_KEYS, D],
+    values with a column of ones after their D."""
+    pages = cache[tables]  # (B, W, block_size, H, D)
+    batch, width, block_size, heads, dim = pages.shape
+    out = pages.new_empty(batch, heads, width * block_size, dim + ones, dtype=torch.float32)
+    out[..., :dim].view(batch, heads, width, block_size, dim).copy_(pages.permute(0, 3, 1, 2, 4))
+    if ones:
+        out[..., dim] = 1.0
+    return out.view(batch, heads, -1, INVARIANT_KEYS, dim + ones)
+
+
+def _whole_pieces(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block tables [B, W] with pages added (page 0: never attended to) up to whole INVARIANT_KEYS tokens
+    (EngineConfig has a block_size that divides INVARIANT_KEYS or that it divides)."""
+    pages = -(-INVARIANT_KEYS // block_size)
+    return F.pad(tables, (0, -tables.shape[1] % pages))
+
+
+def invariant_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segment: PrefillSegment,
+                      scale: float) -> torch.Tensor:
+    """A prompt chunk q [T, H, D] through `invariant_attention` over its pages (the chunk's K/V stored),
+    INVARIANT_ROWS queries at a time, each against the keys up to the last one it sees -> [T, H, D] fp32."""
+    length, context_len = segment.length, segment.context_len
+    tables = _whole_pieces(segment.block_table[None], k_cache.shape[1])
+    keys, values = invariant_keys(k_cache, tables), invariant_keys(v_cache, tables, ones=True)
+    seen = torch.arange(context_len - length + 1, context_len + 1, device=q.device)
+    rows = F.pad(q, (0, 0, 0, 0, 0, -length % INVARIANT_ROWS)).transpose(0, 1)[None]  # (1, H, T', D)
+    lengths = F.pad(seen, (0, -length % INVARIANT_ROWS), value=1)
+    out = []
+    for start in range(0, length, INVARIANT_ROWS):
+        tile = lengths[start : start + INVARIANT_ROWS]
+        used = -(-int(tile.max()) // INVARIANT_KEYS)  # the pieces holding a key this tile sees
+        out.append(invariant_attention(rows[:, :, start : start + INVARIANT_ROWS], keys[:, :, :used],
+                                       values[:, :, :used], tile[None], scale))
+    return torch.cat(out, 2)[0, :, :length].transpose(0, 1)
+
+
+def invariant_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decodes q [B, H, D] (this step's K/V stored) through `invariant_attention`, each query the first
+    row of its own INVARIANT_ROWS -> [B, H, D] fp32."""
+    tables = _whole_pieces(block_tables.long(), k_cache.shape[1])
+    keys, values = invariant_keys(k_cache, tables), invariant_keys(v_cache, tables, ones=True)
+    rows = F.pad(q[:, :, None], (0, 0, 0, INVARIANT_ROWS - 1))  # (B, H, R, D)
+    lengths = torch.ones(len(q), INVARIANT_ROWS, dtype=context_lens.dtype, device=q.device)
+    lengths[:, 0] = context_lens
+    return invariant_attention(rows, keys, values, lengths, scale)[:, :, 0]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from minigpt.model import replace_linears
 
 SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting (GPT-2, 4 rows: 60 vs 96 ms; 16: 247 vs 134)
+TILE_ROWS = 16  # rows in every product of a `RowTiles` linear
 UPCAST_ROWS = 4096  # weight rows upcast at a time: 12 MB of fp32 for GPT-2's 768 inputs
 _PACKED: dict[int, torch.Tensor] = {}  # data_ptr of a PackedLinear's handle -> its weight in oneDNN's layout
 
@@ -90,6 +91,34 @@ class HalfWeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.minigpt.half_weight_linear.default(x, self.weight, self.bias)
+
+
+class RowTiles(nn.Module):
+    """A linear run `TILE_ROWS` rows at a time, the last tile padded with zeros (`batch_invariant=True`):
+    a float matrix product's reduction order follows its number of rows, so each row's result would
+    otherwise depend on how many rows share its product."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear, self.in_features, self.out_features = linear, linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        padded = F.pad(flat, (0, 0, 0, -rows % TILE_ROWS))
+        out = torch.cat([self.linear(tile) for tile in padded.split(TILE_ROWS)])[:rows]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def tile_rows(model: nn.Module) -> nn.Module:
+    """Wrap every linear of `model` (nn.Linear or one of its replacements) in place in `RowTiles`."""
+    for module in list(model.modules()):
+        if isinstance(module, RowTiles):
+            continue
+        for name, child in list(module.named_children()):
+            if hasattr(child, "in_features") and not isinstance(child, RowTiles):
+                setattr(module, name, RowTiles(child))
+    return model
 
 
 def x86_flags() -> frozenset[str] | None:

@@ -13,6 +13,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
+from minigpt.attention import INVARIANT_KEYS
 from minigpt.speculative.config import SpeculativeConfig
 from minigpt.torch_support import check_torch_for
 from minigpt.weights import resolve_dtype
@@ -59,6 +60,10 @@ class EngineConfig:
         False, "check the weight files against the SHA-256 the hub published for them (hub checkpoints only)",
         flag="--verify",
     )
+    batch_invariant: bool = _setting(
+        False, "CPU: a request's tokens and logprobs bitwise the same whatever it is batched with, however its "
+        "prompt is chunked or cached, preempted or drafted for (float modes too; costs speed)"
+    )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     # bounds on one request's work, and on a step's
     max_stop_strings: int = _setting(256, "stop strings a request may give")
@@ -81,7 +86,7 @@ class EngineConfig:
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
-        for name in ("enable_prefix_caching", "compile", "enforce_eager", "verify_weights"):
+        for name in ("enable_prefix_caching", "compile", "enforce_eager", "verify_weights", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_cache_dtype is not None:
@@ -98,6 +103,16 @@ class EngineConfig:
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
                              "supported yet: use one or the other")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant=True with tensor_parallel_size > 1 is not supported: use one or the "
+                             "other")
+        if self.batch_invariant and INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
+            raise ValueError(f"batch_invariant=True needs a block_size that divides {INVARIANT_KEYS} or that it "
+                             f"divides, got {self.block_size}")
+        if self.batch_invariant and self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
+            raise ValueError("batch_invariant=True with compile=True needs quantize='w8a8'")
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:

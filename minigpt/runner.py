@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minigpt.attention import PagedAttention, PrefillSegment, StepMetadata
+from minigpt.attention import InvariantAttention, PagedAttention, PrefillSegment, StepMetadata
 from minigpt.attention_backends import select_backend
-from minigpt.cpu_linear import prepare_linears
+from minigpt.cpu_linear import prepare_linears, tile_rows
 from minigpt.cuda_graphs import DecodeGraphs, capture_sizes
 from minigpt.engine_config import EngineConfig
 from minigpt.kv_cache import KVPool, bytes_per_token
@@ -63,6 +63,8 @@ class ModelRunner:
             quantize(self.model, config.quantize)
         else:
             prepare_linears(self.model, dtype, self.device)
+        if config.batch_invariant and config.quantize != "w8a8":  # w8a8's integer products are per row already
+            tile_rows(self.model)
         model_config = self.model.config
         # A tensor-parallel rank's pool holds its heads' pages only
         self.cache_config = model_config if shard is None else shard.cache_config(model_config)
@@ -114,7 +116,8 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [R, vocab] of the step's `logits_indices` rows; the step's K/V land in the pool."""
-        if self.compiled is not None and self.compiled.covers(inputs):
+        # the compiled decode steps attend their own way: batch_invariant steps all attend in `forward`
+        if self.compiled is not None and not self.config.batch_invariant and self.compiled.covers(inputs):
             return self.compiled(inputs)
         if self.graphs is not None and self.graphs.covers(inputs):
             return self.graphs(inputs)
@@ -123,7 +126,8 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
         """The eager step: the model's layer loop with paged attention (what the CUDA graphs capture)."""
-        attention = PagedAttention(self.pool.kv, meta, self.backend, self.scales, self.upcast)
+        kind = InvariantAttention if self.config.batch_invariant else PagedAttention
+        attention = kind(self.pool.kv, meta, self.backend, self.scales, self.upcast)
         return self.model.run(input_ids, positions, attention, logits_rows, self.halves)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
@@ -151,7 +155,8 @@ class ModelRunner:
             start, first = len(tokens), seq.num_computed_tokens
             end = first + chunk
             tokens += ((seq, p) for p in range(first, end))
-            pages = self._tensor(seq.block_table[: -(-end // bs)]) if first else None  # a cached prefix to read
+            # a cached prefix to read (batch_invariant: every chunk attends over its pages)
+            pages = self._tensor(seq.block_table[: -(-end // bs)]) if first or self.config.batch_invariant else None
             segments.append(PrefillSegment(start, chunk, end, pages))
             if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
                 wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]

@@ -71,11 +71,13 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     import bench
 
     peer = bench.MinigptPeer()
-    common = {"device": "cpu", "num_threads": bench.P.THREADS, "enforce_eager": False}
+    common = {"device": "cpu", "num_threads": bench.P.THREADS, "enforce_eager": False, "batch_invariant": False}
     assert peer._engine_args("w8a8+compile+kv-bfloat16") == {
         "dtype": "float32", "quantize": "w8a8", "compile": True, "kv_cache_dtype": "bfloat16", **common,
     }
     assert peer._engine_args("bfloat16") == {"dtype": "bfloat16", "compile": False, **common}
+    assert peer._engine_args("bfloat16+invariant") == {"dtype": "bfloat16", "compile": False, **common,
+                                                       "batch_invariant": True}
     peer.device = "cuda"
     assert peer._engine_args("bfloat16+eager") == {**common, "dtype": "bfloat16", "compile": False, "device": "cuda",
                                                    "enforce_eager": True}

@@ -144,7 +144,8 @@ def test_models_health_and_metrics(served):
     with pytest.raises(openai.NotFoundError) as missing:
         served.client().models.retrieve("org/other-model")
     assert missing.value.code == "model_not_found" and "'org/other-model' does not exist" in missing.value.message
-    assert [m["id"] for m in httpx.get(f"{served.url}/v1/models/").json()["data"]] == [MODEL]
+    card = httpx.get(f"{served.url}/v1/models/").json()["data"][0]
+    assert card["id"] == MODEL and card["batch_invariant"] is False
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     response = httpx.get(f"{served.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
