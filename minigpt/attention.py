@@ -46,6 +46,11 @@ class StepMetadata:
     # the first `num_fresh` segments start their prompts (no cached prefix) and attend in one call
     num_fresh: int = 0
 
+    @property
+    def decode_only(self) -> bool:
+        """One new token per sequence, no prompt chunk: the step the compiled programs and CUDA graphs take."""
+        return not self.prefills
+
 
 class CausalAttention:
     """A (B, T) batch attending among its own tokens; `mask` (B, 1, T, T) bool, or None for plain causal."""

@@ -290,7 +290,7 @@ class CompiledSteps:
     @staticmethod
     def covers(inputs) -> bool:
         """A decode-only step."""
-        return not inputs.meta.prefills
+        return inputs.meta.decode_only
 
     def __call__(self, inputs) -> torch.Tensor:
         """Logits of a step `covers` takes; the step's K/V land in the pool at its slots."""

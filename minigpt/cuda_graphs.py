@@ -81,8 +81,7 @@ class DecodeGraphs:
 
     def covers(self, inputs) -> bool:
         """A decode-only step of at most the largest captured batch."""
-        meta = inputs.meta
-        return not meta.prefills and meta.decode_block_tables is not None and len(inputs.input_ids) <= self.sizes[-1]
+        return inputs.meta.decode_only and len(inputs.input_ids) <= self.sizes[-1]
 
     def bucket(self, batch: int) -> int:
         """The captured size that a batch of `batch` sequences replays: the smallest that holds it."""
