@@ -102,6 +102,17 @@ def test_a_key_no_client_can_send_is_refused(llm, key):
         build_app(llm, MODEL, api_key=key)
 
 
+def assert_refused_in_one_line(capsys, argv: list[str], says: str) -> None:
+    """`minigpt serve` with `argv` exits 2 before loading any model, saying `says` on one line."""
+    from minigpt import serve
+
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--model", "/no/such/dir", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
 @pytest.mark.parametrize(("argv", "env", "says"), [
     (["--api-key", ""], None, "--api-key: an API key must be 1 or more visible ASCII characters, without spaces "
                               "(it is empty)"),
@@ -110,15 +121,9 @@ def test_a_key_no_client_can_send_is_refused(llm, key):
     (["--api-key", "k", "--api-key-file", "f"], None, "not allowed with argument"),
 ])
 def test_cli_refuses_a_bad_key_in_one_line_before_loading(monkeypatch, capsys, argv, env, says):
-    from minigpt import serve
-
     if env is not None:
         monkeypatch.setenv("MINIGPT_API_KEY", env)
-    with pytest.raises(SystemExit) as exited:
-        serve.main(["--model", "/no/such/dir", *argv])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
+    assert_refused_in_one_line(capsys, argv, says)
 
 
 def test_the_key_comes_from_the_flag_a_file_or_the_environment(monkeypatch, tmp_path):
@@ -233,13 +238,7 @@ def test_requests_past_the_concurrency_limit_get_503(llm):
     (["--limit-concurrency", "0"], "--limit-concurrency must be a positive number, got 0"),
 ])
 def test_cli_refuses_bad_connection_limits_before_loading(capsys, argv, says):
-    from minigpt import serve
-
-    with pytest.raises(SystemExit) as exited:
-        serve.main(["--model", "/no/such/dir", *argv])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
+    assert_refused_in_one_line(capsys, argv, says)
 
 
 # -- log noise --------------------------------------------------------------------------------------
