@@ -66,7 +66,7 @@ def paged_decode_attention(
     block_tables: [B, max_blocks] int32 (entries past a sequence's length may be any valid block);
     context_lens: [B] int32. Returns [B, H, D] in the query's dtype. A row with context_len 0 returns zeros.
     workspace: a flat buffer of the caches' dtype with room for 2 * B * max_blocks pages, to gather the
-    keys and values into instead of new tensors (see `minigpt.attention.TorchBackend`); `converted`:
+    keys and values into instead of new tensors (see `minigpt.model.attention.TorchBackend`); `converted`:
     the same of the query's dtype, for pages of another dtype converted to it.
 
     Half inputs go to SDPA as they are: its kernels compute scores, softmax and the weighted sum in

@@ -1,13 +1,15 @@
 """minigpt: a GPT-2 inference engine written from scratch in PyTorch."""
 
-from minigpt.async_engine import AsyncLLM, QueueFullError
-from minigpt.beam_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from minigpt.beam.params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from minigpt.common.version import __version__
+from minigpt.engine.request import CompletionOutput, RequestOutput
 from minigpt.llm import LLM
-from minigpt.request import CompletionOutput, RequestOutput
-from minigpt.request_handle import RequestHandle, StreamDelta
 from minigpt.sampling import SamplingParams, StructuredOutputsParams
+from minigpt.serving.async_engine import AsyncLLM, QueueFullError
+from minigpt.serving.request_handle import RequestHandle, StreamDelta
 
 __all__ = [
+    "__version__",
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -21,4 +23,3 @@ __all__ = [
     "StreamDelta",
     "QueueFullError",
 ]
-__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads this literal without importing

@@ -24,15 +24,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
-from minigpt.progress import PREFIX, log_to_stderr
+from minigpt.common.progress import PREFIX, log_to_stderr
+from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.model.weights import resolve_checkpoint
 from minigpt.serve import MISSING_EXTRA, served_name
-from minigpt.weights import resolve_checkpoint
 
 if TYPE_CHECKING:
-    from minigpt.async_engine import AsyncLLM
     from minigpt.batch_jobs.files import ResultWriter
     from minigpt.server.chat_template import ChatTemplate
+    from minigpt.serving.async_engine import AsyncLLM
 
 DEFAULT_MAX_IN_FLIGHT = 1024
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         return 2
     if not args.quiet:
         log_to_stderr(logging.INFO)
-    from minigpt.async_engine import AsyncLLM
+    from minigpt.serving.async_engine import AsyncLLM
 
     engine_args = engine_args_from(args)
     engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight)  # the window never overflows
@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace, name: str, llm: AsyncLLM, template: ChatTempl
     from minigpt.batch_jobs.files import numbered_lines
     from minigpt.batch_jobs.job import EngineStopped, RepeatedCustomId, Summary, run_job
     from minigpt.batch_jobs.window import Window
-    from minigpt.progress import Progress
+    from minigpt.common.progress import Progress
 
     summary = Summary()
     progress = Progress(total, enabled=not args.quiet)

@@ -15,8 +15,8 @@ import argparse
 import importlib
 import sys
 
-from minigpt import __version__
-from minigpt.engine_config import OneLineParser
+from minigpt.common.version import __version__
+from minigpt.engine.config import OneLineParser
 
 # name: (module whose main(argv, prog) runs it, its line in `minigpt --help`)
 COMMANDS = {

@@ -21,11 +21,11 @@ import re
 import signal
 import sys
 
-from minigpt.beam_params import BeamSearchOutput, BeamSearchParams
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
+from minigpt.common.progress import log_to_stderr
+from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.engine.request import RequestOutput
 from minigpt.llm import LLM
-from minigpt.progress import log_to_stderr
-from minigpt.request import RequestOutput
 from minigpt.sampling import SamplingParams
 
 PROG = "python -m minigpt.generate"  # the console command passes its own: "minigpt generate"

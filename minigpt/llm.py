@@ -6,11 +6,11 @@ import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
-from minigpt.beam_params import BeamSearchOutput, BeamSearchParams
-from minigpt.engine import Engine
-from minigpt.engine_config import EngineConfig
-from minigpt.progress import Progress
-from minigpt.request import Prompt, Request, RequestOutput
+from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
+from minigpt.common.progress import Progress
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.engine import Engine
+from minigpt.engine.request import Prompt, Request, RequestOutput
 from minigpt.sampling import SamplingParams
 
 

@@ -15,9 +15,9 @@ import logging
 import sys
 import time
 
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.progress import log_to_stderr
+from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.llm import LLM
-from minigpt.progress import log_to_stderr
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minigpt.precompile") -> int:

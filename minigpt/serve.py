@@ -18,10 +18,10 @@ import socket
 import sys
 from pathlib import Path
 
-from minigpt.engine_config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
-from minigpt.progress import log_to_stderr
+from minigpt.common.progress import log_to_stderr
+from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.model.weights import resolve_checkpoint
 from minigpt.server.limits import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
-from minigpt.weights import resolve_checkpoint
 
 PROG = "python -m minigpt.serve"  # the console command passes its own: "minigpt serve"
 MISSING_EXTRA = 'the server needs FastAPI, uvicorn and jinja2: pip install "minigpt[server]"'
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             check_api_key(api_key)
         except ValueError as err:
             parser.error(f"{where}: {err}")
-    from minigpt.async_engine import AsyncLLM
+    from minigpt.serving.async_engine import AsyncLLM
 
     try:
         check_can_listen(args.host, args.port)

@@ -40,7 +40,7 @@ import peers as P  # noqa: E402 - scripts/ is not a package
 import workloads as W  # noqa: E402
 
 from minigpt import LLM, AsyncLLM, SamplingParams  # noqa: E402
-from minigpt.quantize import QUANTIZATIONS  # noqa: E402
+from minigpt.quant.quantize import QUANTIZATIONS  # noqa: E402
 
 
 def log(message: str) -> None:

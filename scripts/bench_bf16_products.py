@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers as P  # noqa: E402 - scripts/ is not a package
 
-from minigpt.checkpoint import PRESETS  # noqa: E402
-from minigpt.config import GPT2Config  # noqa: E402
+from minigpt.model.checkpoint import PRESETS  # noqa: E402
+from minigpt.model.config import GPT2Config  # noqa: E402
 
 
 def step_weights(preset: str) -> list[torch.Tensor]:

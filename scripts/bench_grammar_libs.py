@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from minigpt.grammar import _TokenizerView as TokenizerView
 from minigpt.sampling.bitmask import apply_bitmask
-from minigpt.tokenizer import Tokenizer
+from minigpt.structured.grammar import _TokenizerView as TokenizerView
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.checkpoint import preset_config, random_model, write_checkpoint
-from minigpt.tokenizer import gpt2_vocab_files
+from minigpt.model.checkpoint import preset_config, random_model, write_checkpoint
+from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 
 def checkpoints(workdir: Path) -> dict[str, Path]:

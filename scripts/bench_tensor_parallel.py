@@ -144,7 +144,7 @@ def main() -> None:
 
 
 def json_width(model: str) -> int:
-    from minigpt.config import GPT2Config
+    from minigpt.model.config import GPT2Config
 
     return GPT2Config.from_json_file(Path(model) / "config.json").n_embd
 

@@ -133,7 +133,7 @@ def probe(device: str, path: Path) -> None:
     from peers import device_bandwidth_gbs, memory_bandwidth_gbs
 
     info["bandwidth_gbs"] = device_bandwidth_gbs(device) if device == "cuda" else memory_bandwidth_gbs(1 << 28)
-    from minigpt.torch_support import check_torch_for
+    from minigpt.common.torch_support import check_torch_for
 
     try:
         check_torch_for("compile=True")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minigpt.checkpoint import LAYOUTS, PRESETS, preset_config, random_model, write_checkpoint
-from minigpt.tokenizer import gpt2_vocab_files
-from minigpt.weights import resolve_dtype
+from minigpt.model.checkpoint import LAYOUTS, PRESETS, preset_config, random_model, write_checkpoint
+from minigpt.model.weights import resolve_dtype
+from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 
 def main(argv: list[str] | None = None) -> int:

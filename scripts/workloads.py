@@ -103,7 +103,7 @@ class ServingWorkload:
 def load_encoder(checkpoint_dir: str | Path) -> Encode:
     """The checkpoint's own GPT-2 BPE (minigpt's tiktoken-backed tokenizer; no network), without
     special-token parsing so every engine sees plain text ids."""
-    from minigpt.tokenizer import Tokenizer
+    from minigpt.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(checkpoint_dir).encoding.encode_ordinary
 

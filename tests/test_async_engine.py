@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from minigpt import LLM, AsyncLLM, QueueFullError, SamplingParams, StreamDelta
-from minigpt.request import RequestOutput
+from minigpt.engine.request import RequestOutput
 
 TEXTS = ["Hello, world", "日本語のテキスト 🎉", "🙂🙃 emoji 🚀", "中文提示：你好", "The quick brown fox", "x"]
 

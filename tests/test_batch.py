@@ -24,7 +24,7 @@ from test_server_chat import CHATML
 from minigpt import AsyncLLM
 from minigpt.batch import main
 from minigpt.batch_jobs.window import Window
-from minigpt.progress import Progress
+from minigpt.common.progress import Progress
 from minigpt.server.app import build_app
 from minigpt.server.chat_template import ChatTemplate
 

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from minigpt import LLM, SamplingParams
-from minigpt.engine_config import EngineConfig
+from minigpt.engine.config import EngineConfig
 
 N_POSITIONS = 128
 MAX_TOKENS = 24

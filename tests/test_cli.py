@@ -143,6 +143,6 @@ def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
     ("unknown dtype 'float8'", "unknown dtype 'float8'"),  # a field named, not set: left as it is
 ])
 def test_errors_name_the_flags_a_command_line_took(message, says):
-    from minigpt.engine_config import flag_error_line
+    from minigpt.engine.config import flag_error_line
 
     assert flag_error_line(ValueError(message + "\nmore"), {"max_tokens": "--max-new-tokens"}) == says

@@ -1,4 +1,4 @@
-"""compile=True's programs on disk (minigpt/compile_cache.py): built once per model shape and mode,
+"""compile=True's programs on disk (minigpt/compile/cache.py): built once per model shape and mode,
 loaded by every later engine, rebuilt (never run) when an entry is altered or written for another
 build, and run over the engine's own weights."""
 
@@ -16,10 +16,11 @@ from unittest import mock
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams, compile_cache
-from minigpt.cache_trust import sign, user_key
-from minigpt.compile_cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
-from minigpt.compiled import CompiledSteps
+from minigpt import LLM, SamplingParams
+from minigpt.compile import cache as compile_cache
+from minigpt.compile.cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
+from minigpt.compile.steps import CompiledSteps
+from minigpt.compile.trust import sign, user_key
 
 from conftest import random_prompts
 
@@ -151,7 +152,7 @@ def test_steps_built_in_turn_or_side_by_side_serve_alike(tiny_checkpoint, built_
 
 def test_a_worker_unpickles_only_what_a_step_is_made_of(tmp_path):
     """The worker loads its spec with weights_only=True, allowing minigpt's and torch's modules only."""
-    from minigpt.compile_worker import load_spec
+    from minigpt.compile.worker import load_spec
 
     spec = ProgramSpec("linear", torch.nn.Linear(4, 4), (torch.zeros(3, 4),), None)
     torch.save(spec, tmp_path / "ok.spec")

@@ -1,4 +1,4 @@
-"""The compile cache trusts only what its user wrote (minigpt/cache_trust.py, minigpt/compile_cache.py):
+"""The compile cache trusts only what its user wrote (minigpt/compile/trust.py, minigpt/compile/cache.py):
 a private folder, entries signed with the user's key, an incomplete manifest a rebuild; and a build
 interrupted by a signal leaves no process and, after the next start, no folder behind."""
 
@@ -19,9 +19,10 @@ from unittest import mock
 
 import pytest
 
-from minigpt import LLM, SamplingParams, compile_cache
-from minigpt.cache_trust import Untrusted, key_file, sign, user_key
-from minigpt.compile_cache import BUILDING, MANIFEST, ProgramCache, entry_key
+from minigpt import LLM, SamplingParams
+from minigpt.compile import cache as compile_cache
+from minigpt.compile.cache import BUILDING, MANIFEST, ProgramCache, entry_key
+from minigpt.compile.trust import Untrusted, key_file, sign, user_key
 
 from conftest import random_prompts
 
@@ -256,7 +257,7 @@ def workers_of(parent: int) -> list[int]:
             command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == parent and b"minigpt.compile_worker" in command:
+        if int(fields[1]) == parent and b"minigpt.compile.worker" in command:
             found.append(int(stat.parent.name))
     return found
 
@@ -292,7 +293,7 @@ def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_chec
     end with it; a folder left by a process killed outright is deleted at the next start."""
     sig = getattr(signal, name)
     root = tmp_path / "cache"
-    start = (f"from minigpt import LLM; from minigpt import compile_cache as c; c.build_workers = lambda specs: 2; "
+    start = (f"from minigpt import LLM; from minigpt.compile import cache as c; c.build_workers = lambda specs: 2; "
              f"LLM({str(tiny_checkpoint)!r}, compile=True, compile_cache_dir={str(root)!r})")
     engine = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

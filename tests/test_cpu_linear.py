@@ -1,4 +1,4 @@
-"""CPU linears (minigpt/cpu_linear.py): the same products as nn.Linear, eager and compiled, and the
+"""CPU linears (minigpt/model/linears.py): the same products as nn.Linear, eager and compiled, and the
 engine uses the one `cpu_linear_for` picks for every linear."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from unittest import mock
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams, cpu_linear
-from minigpt.cpu_linear import SMALL_BATCH, HalfWeightLinear, PackedLinear, cpu_linear_for, native_bf16
+from minigpt import LLM, SamplingParams
+from minigpt.model import linears as cpu_linear
+from minigpt.model.linears import SMALL_BATCH, HalfWeightLinear, PackedLinear, cpu_linear_for, native_bf16
 
 CPU = torch.device("cpu")
 needs_bf16 = pytest.mark.skipif(
@@ -38,7 +39,7 @@ def test_packed_linear_equals_linear(shape, bias, dtype):
 def test_half_weight_linear_equals_linear(shape, bias, dtype, monkeypatch):
     """Small batches through the half kernel, larger ones upcast a few weight rows at a time (rows
     shrunk here so the 96 outputs take several chunks)."""
-    monkeypatch.setattr("minigpt.cpu_linear.UPCAST_ROWS", 40)
+    monkeypatch.setattr("minigpt.model.linears.UPCAST_ROWS", 40)
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=bias).to(dtype)
     x = torch.randn(shape, dtype=dtype)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (minigpt/cuda_graphs.py).
+"""CUDA graphs for decode (minigpt/engine/cuda_graphs.py).
 
 On the CPU the graphs' own logic runs with a capture that replays by calling the step again: the ladder,
 the bucket a batch pads to, the static buffers and their padding rows, the graph-or-eager choice. With a
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.cuda_graphs import DecodeGraphs, capture_sizes
-from minigpt.engine_config import EngineConfig, add_engine_arguments, engine_args_from
+from minigpt.engine.config import EngineConfig, add_engine_arguments, engine_args_from
+from minigpt.engine.cuda_graphs import DecodeGraphs, capture_sizes
 
 from conftest import assert_all_free, hf_greedy, hf_model, needs_cuda, random_prompts
 

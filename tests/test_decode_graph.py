@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.attention import PagedAttention
-from minigpt.attention_backends import TorchBackend
-from minigpt.compiled import LayerProgram, attention_scales, decode_step
-from minigpt.model import attention_inputs, attention_outputs
+from minigpt.compile.steps import LayerProgram, attention_scales, decode_step
+from minigpt.model.attention import PagedAttention
+from minigpt.model.backends import TorchBackend
+from minigpt.model.gpt2 import attention_inputs, attention_outputs
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 

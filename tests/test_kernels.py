@@ -17,10 +17,10 @@ import pytest
 import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
 
-from minigpt.attention import token_attention
-from minigpt.attention_backends import TorchBackend
+from minigpt.common.torch_support import release
 from minigpt.kernels import reference
-from minigpt.torch_support import release
+from minigpt.model.attention import token_attention
+from minigpt.model.backends import TorchBackend
 
 HERE = Path(__file__).parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minigpt.model import ACTIVATIONS, GPT2
+from minigpt.model.gpt2 import ACTIVATIONS, GPT2
 
 from conftest import hf_model, with_residual_outliers
 

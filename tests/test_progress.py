@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minigpt.progress import announce
+from minigpt.common.progress import announce
 
 
 class _Terminal(io.StringIO):

@@ -8,9 +8,10 @@ import weakref
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams, fbgemm_int8
+from minigpt import LLM, SamplingParams
 from minigpt.model import GPT2
-from minigpt.quantize import ONE_ROW_MAX_INPUTS, Int8Linear, W8A8Linear, one_row_products, quantize, round_to_int8
+from minigpt.quant import fbgemm_int8
+from minigpt.quant.quantize import ONE_ROW_MAX_INPUTS, Int8Linear, W8A8Linear, one_row_products, quantize, round_to_int8
 
 from conftest import write_hf_checkpoint
 

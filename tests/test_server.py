@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from minigpt import LLM, AsyncLLM, SamplingParams
-from minigpt.engine_config import EngineConfig
+from minigpt.engine.config import EngineConfig
 from minigpt.server.app import build_app
 
 MODEL = "tiny-gpt2"
@@ -578,7 +578,7 @@ def test_cli_without_the_server_extra(monkeypatch, capsys):
 
 def test_cli_flags_cover_the_engine():
     from minigpt import serve
-    from minigpt.engine_config import engine_args_from
+    from minigpt.engine.config import engine_args_from
 
     args = serve.build_parser().parse_args(
         ["--model", "m", "--max-waiting", "3", "--kv-cache-tokens", "256", "--kv-cache-dtype", "bfloat16"]

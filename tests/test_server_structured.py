@@ -17,8 +17,8 @@ import pytest
 from test_server import MODEL, N_POSITIONS, Served, run_server, wait_idle
 
 from minigpt import AsyncLLM
-from minigpt.grammar import compiler_for
 from minigpt.server.app import build_app
+from minigpt.structured.grammar import compiler_for
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -145,7 +145,7 @@ def test_a_grammar_that_would_fail_at_generation_is_a_400(served, constraint):
 
 def hold_grammar_compiles(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Grammar compiles wait for the second event once they have set the first."""
-    from minigpt.grammar import GrammarCompiler
+    from minigpt.structured.grammar import GrammarCompiler
 
     entered, release, compile = threading.Event(), threading.Event(), GrammarCompiler.compile
 

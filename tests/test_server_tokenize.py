@@ -16,7 +16,7 @@ from test_server import MODEL, N_POSITIONS, Served, run_server
 from minigpt import AsyncLLM
 from minigpt.server.app import build_app
 from minigpt.server.tokenization import Tokenization, TokenizeRequest
-from minigpt.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

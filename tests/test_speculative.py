@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minigpt import LLM, AsyncLLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from minigpt.engine_config import EngineConfig
+from minigpt.engine.config import EngineConfig
 from minigpt.generate import main
 from minigpt.speculative.ngram import ngram_draft
 

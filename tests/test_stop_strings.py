@@ -8,7 +8,7 @@ import random
 import pytest
 
 from minigpt import LLM, SamplingParams
-from minigpt.stop_strings import StopStrings
+from minigpt.engine.stop_strings import StopStrings
 
 
 def first_stop(text: str, stops: list[str], begin: int) -> tuple[int, int] | None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams, StructuredOutputsParams
-from minigpt.grammar import MISSING_EXTRA, compiler_for
 from minigpt.sampling.bitmask import allowed_tokens, apply_bitmask, bitmask_words
+from minigpt.structured.grammar import MISSING_EXTRA, compiler_for
 
 from conftest import assert_all_free
 

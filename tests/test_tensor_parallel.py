@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from minigpt import LLM, AsyncLLM, BeamSearchParams, SamplingParams
-from minigpt.engine_config import EngineConfig, add_engine_arguments, engine_args_from
-from minigpt.model import load_model
+from minigpt.engine.config import EngineConfig, add_engine_arguments, engine_args_from
+from minigpt.model.gpt2 import load_model
 from minigpt.tensor_parallel.shard import Shard
 
 # Small pages, a small pool and small steps: prompts are prefilled in chunks, share cached prefixes,

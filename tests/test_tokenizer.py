@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.tokenizer import END_OF_TEXT, IncrementalDecoder, Tokenizer, gpt2_vocab_files
+from minigpt.tokenizer.tokenizer import END_OF_TEXT, IncrementalDecoder, Tokenizer, gpt2_vocab_files
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minigpt import LLM
+from minigpt.common.torch_support import check_torch_for, pip_requirement, release
 from minigpt.generate import main
-from minigpt.torch_support import check_torch_for, pip_requirement, release
 
 ROOT = Path(__file__).parent.parent
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import minigpt.engine
-import minigpt.runner
-import minigpt.transfer
+import minigpt.common.transfer
+import minigpt.engine.engine
+import minigpt.engine.runner
 from minigpt import LLM, SamplingParams
 
 from conftest import needs_cuda
@@ -115,7 +115,7 @@ class StepOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _started_engine(path: Path, device: str = "cpu") -> minigpt.engine.Engine:
+def _started_engine(path: Path, device: str = "cpu") -> minigpt.engine.engine.Engine:
     """An engine with two sequences past their prefill, so the next step decodes both."""
     engine = LLM(str(path), device=device, block_size=8).engine
     for prompt in ([1, 2, 3, 4, 5], list(range(20))):
@@ -131,8 +131,8 @@ def test_step_reads_only_the_sampled_tokens_from_the_device(tiny_checkpoint, mon
     the device) comes from ``to_device``, which copies from pinned memory without blocking on CUDA."""
     engine = _started_engine(tiny_checkpoint)
     host_copies, reads = [], []
-    to_device = minigpt.transfer.to_device
-    for module in (minigpt.engine, minigpt.runner):  # every module of the step that builds tensors
+    to_device = minigpt.common.transfer.to_device
+    for module in (minigpt.engine.engine, minigpt.engine.runner):  # every module of the step that builds tensors
         monkeypatch.setattr(module, "to_device", lambda *a: host_copies.append(a) or to_device(*a))
     tolist = torch.Tensor.tolist
     for new_prompt in (None, [7, 8, 9, 10]):  # decode only; then a prefill joins the decodes

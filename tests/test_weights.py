@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import minigpt.checkpoint
+import minigpt.model.checkpoint
 from minigpt import LLM
-from minigpt.checkpoint import random_model, write_checkpoint
-from minigpt.config import ConfigError, GPT2Config
-from minigpt.model import GPT2, load_model
-from minigpt.tokenizer import gpt2_vocab_files
-from minigpt.weights import CheckpointError, _mapped_safetensors, resolve_checkpoint
+from minigpt.model.checkpoint import random_model, write_checkpoint
+from minigpt.model.config import ConfigError, GPT2Config
+from minigpt.model.gpt2 import GPT2, load_model
+from minigpt.model.weights import CheckpointError, _mapped_safetensors, resolve_checkpoint
+from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 from conftest import TINY, hf_model, write_hf_checkpoint
 
@@ -104,13 +104,13 @@ def test_a_failed_checkpoint_write_leaves_nothing_behind(tmp_path, monkeypatch):
         raise ModuleNotFoundError("No module named 'numpy'")
 
     with monkeypatch.context() as patched:
-        patched.setattr(minigpt.checkpoint, "save_file", fail)
+        patched.setattr(minigpt.model.checkpoint, "save_file", fail)
         with pytest.raises(ModuleNotFoundError):
             write_checkpoint(model, tmp_path / "new", gpt2_vocab_files())
         assert list(tmp_path.iterdir()) == []
     written = write_checkpoint(model, tmp_path / "old", gpt2_vocab_files())
     before = {f.name: f.read_bytes() for f in written.iterdir()}
-    monkeypatch.setattr(minigpt.checkpoint, "save_file", fail)
+    monkeypatch.setattr(minigpt.model.checkpoint, "save_file", fail)
     with pytest.raises(ModuleNotFoundError):
         write_checkpoint(random_model(GPT2Config(**TINY), seed=5), written, gpt2_vocab_files())
     assert [p.name for p in tmp_path.iterdir()] == ["old"]
@@ -328,7 +328,7 @@ def test_safetensors_preferred_over_a_bin_index(tmp_path, tiny_checkpoint):
 def test_hub_patterns_fetch_only_the_root_files():
     from huggingface_hub.utils import filter_repo_objects
 
-    from minigpt.weights import HUB_FALLBACK_FILES, HUB_FILES
+    from minigpt.model.weights import HUB_FALLBACK_FILES, HUB_FILES
 
     repo = ["config.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer_config.json",
             "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",

@@ -1,4 +1,4 @@
-"""verify_weights (`--verify`, minigpt/weights_verify.py): weight files checked against the SHA-256 the hub
+"""verify_weights (`--verify`, minigpt/model/weights_verify.py): weight files checked against the SHA-256 the hub
 published, read from huggingface_hub's cache layout; a changed byte or an unknown hash is a clear error."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from minigpt import LLM
-from minigpt.engine_config import add_engine_arguments, engine_args_from, flag_error_line
-from minigpt.weights import CheckpointError
-from minigpt.weights_verify import published_sha256, verify_weights
+from minigpt.engine.config import add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.model.weights import CheckpointError
+from minigpt.model.weights_verify import published_sha256, verify_weights
 
 
 def sha256(path: Path) -> str:

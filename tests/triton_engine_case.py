@@ -16,7 +16,7 @@ from kernel_inputs import DEVICE, import_triton_for_tests
 import_triton_for_tests()
 
 from minigpt import LLM, SamplingParams  # noqa: E402
-from minigpt.model import GPT2  # noqa: E402
+from minigpt.model.gpt2 import GPT2  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from minigpt.batch_jobs.answer import Answer, Answerer, custom_id_of, line_key
 from minigpt.batch_jobs.files import ResultWriter
-from minigpt.progress import Progress
+from minigpt.common.progress import Progress
 
 END = None  # what the reader thread queues after the last line
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from minigpt.transfer import to_device
+from minigpt.common.transfer import to_device
 
 # Python ints mix each row's 64-bit key (exact); tensor ops spread it over the ids. Tensor values stay
 # below 2**32 in int64 and every product below 2**63, so nothing relies on signed overflow.

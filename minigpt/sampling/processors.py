@@ -10,8 +10,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from minigpt.common.transfer import to_device
 from minigpt.sampling.params import SamplingParams
-from minigpt.transfer import to_device
 
 
 class SamplingRow(Protocol):

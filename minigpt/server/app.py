@@ -15,10 +15,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minigpt import __version__
-from minigpt.async_engine import AsyncLLM
-from minigpt.request import RequestOutput
-from minigpt.request_handle import RequestHandle
+from minigpt.common.version import __version__
+from minigpt.engine.request import RequestOutput
 from minigpt.sampling import SamplingParams
 from minigpt.server import protocol
 from minigpt.server.chat import ChatServer
@@ -30,6 +28,8 @@ from minigpt.server.protocol import CompletionRequest
 from minigpt.server.streams import event, merged, unless_disconnected
 from minigpt.server.submit import failure, submit_plan
 from minigpt.server.tokenization import Tokenization
+from minigpt.serving.async_engine import AsyncLLM
+from minigpt.serving.request_handle import RequestHandle
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")

@@ -14,15 +14,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from minigpt.request import RequestOutput
-from minigpt.request_handle import RequestHandle
+from minigpt.engine.request import RequestOutput
 from minigpt.sampling import TokenLogprobs
 from minigpt.server import protocol
 from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
 from minigpt.server.errors import APIError, check_model, invalid
 from minigpt.server.protocol import CompletionRequest, EnginePlan, SamplingFields
 from minigpt.server.streams import event, merged, unless_disconnected
-from minigpt.tokenizer import Tokenizer
+from minigpt.serving.request_handle import RequestHandle
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from minigpt.server.app import CompletionServer

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from minigpt.tokenizer_files import END_OF_TEXT, read_json_object
+from minigpt.tokenizer.files import END_OF_TEXT, read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"
 # transformers' GPT2Tokenizer: <|endoftext|> is BOS, EOS and UNK unless tokenizer_config.json says otherwise

@@ -14,11 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from minigpt.beam_params import BeamSearchParams
-from minigpt.request import RequestOutput
+from minigpt.beam.params import BeamSearchParams
+from minigpt.engine.request import RequestOutput
 from minigpt.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from minigpt.server.errors import APIError, invalid
-from minigpt.tokenizer import IncrementalDecoder, Tokenizer
+from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
 # OpenAI's limit on completions per prompt, and ours on a request's completions (prompts x n): one

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from minigpt.request_handle import RequestHandle, StreamDelta
+from minigpt.serving.request_handle import RequestHandle, StreamDelta
 
 T = TypeVar("T")
 

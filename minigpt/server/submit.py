@@ -3,11 +3,11 @@ batch jobs (minigpt/batch.py) both submit through here."""
 
 from __future__ import annotations
 
-from minigpt.async_engine import AsyncLLM, QueueFullError
-from minigpt.beam_params import BeamSearchParams
-from minigpt.request_handle import RequestHandle
+from minigpt.beam.params import BeamSearchParams
 from minigpt.server.errors import APIError, invalid
 from minigpt.server.protocol import EnginePlan, params_error
+from minigpt.serving.async_engine import AsyncLLM, QueueFullError
+from minigpt.serving.request_handle import RequestHandle
 
 
 def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:

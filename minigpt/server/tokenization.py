@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from minigpt.server.chat import ChatMessage, render_messages
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import check_model, invalid
-from minigpt.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 class TokenizeRequest(BaseModel):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from minigpt.engine_config import EngineConfig
-from minigpt.kv_cache import BlockManager
-from minigpt.runner import ModelRunner
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.kv_cache import BlockManager
+from minigpt.engine.runner import ModelRunner
+from minigpt.engine.sequence import Sequence
+from minigpt.model.weights import check_complete, resolve_checkpoint
 from minigpt.sampling import argmax
-from minigpt.sequence import Sequence
-from minigpt.tokenizer import Tokenizer
-from minigpt.weights import check_complete, resolve_checkpoint
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 class DraftSequence:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minigpt.kv_cache import BlockManager
-from minigpt.sequence import Sequence
+from minigpt.engine.kv_cache import BlockManager
+from minigpt.engine.sequence import Sequence
 from minigpt.speculative.config import SpeculativeConfig
 from minigpt.speculative.ngram import ngram_draft
-from minigpt.tokenizer import Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # engine_config imports this package to check speculative_config
-    from minigpt.engine_config import EngineConfig
+    from minigpt.engine.config import EngineConfig
 
 PRIOR_ACCEPTANCE = 0.7  # a new sequence's estimate: optimistic, so speculation is tried first
 SMOOTHING = 0.3  # weight of the latest step in the acceptance estimate

@@ -14,8 +14,8 @@ equal to the same request run without speculation (greedy: the argmax, token for
 
 from __future__ import annotations
 
+from minigpt.engine.sequence import Sequence
 from minigpt.sampling import SamplingParams, TokenLogprobs
-from minigpt.sequence import Sequence
 
 
 class DraftRow:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minigpt.engine_config import EngineConfig
-from minigpt.runner import ModelRunner
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.runner import ModelRunner
 
 
 def make_runner(path: Path, config: EngineConfig) -> ModelRunner:

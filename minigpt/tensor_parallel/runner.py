@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from minigpt.attention import StepMetadata
-from minigpt.config import GPT2Config
-from minigpt.engine_config import EngineConfig
-from minigpt.runner import ModelRunner, StepInputs
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.runner import ModelRunner, StepInputs
+from minigpt.model.attention import StepMetadata
+from minigpt.model.config import GPT2Config
+from minigpt.model.weights import resolve_device
 from minigpt.tensor_parallel.group import all_reducer, close_group, join_store, open_group, open_store
 from minigpt.tensor_parallel.shard import Shard, check_divisible
-from minigpt.weights import resolve_device
 
 LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
 STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated

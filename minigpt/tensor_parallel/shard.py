@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from minigpt.config import GPT2Config
+from minigpt.model.config import GPT2Config
 
 COLUMN_PARALLEL = ("attn.c_attn", "mlp.c_fc")
 ROW_PARALLEL = ("attn.c_proj", "mlp.c_proj")

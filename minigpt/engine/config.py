@@ -1,0 +1,209 @@
+"""EngineConfig: every engine setting, its default and its help, in one place.
+
+`LLM(...)`, `python -m minigpt.generate` and `python -m minigpt.serve` all take these names: the
+command lines' engine flags are generated from the fields.
+The defaults let dozens of concurrent requests batch with no tuning on a laptop-class CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, NoReturn
+
+from minigpt.common.torch_support import check_torch_for
+from minigpt.model.attention import INVARIANT_KEYS
+from minigpt.model.weights import resolve_dtype
+from minigpt.speculative.config import SpeculativeConfig
+
+QUANTIZATIONS = ("int8", "w8a8")  # the modes of minigpt/quant/quantize.py
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # names the CLI offers; LLM also takes aliases
+
+
+def _setting(default: object, help: str, flag: str | None = "", choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field and its command-line flag: `--field-name` unless `flag` names another,
+    none when it is None. `help` is the field's one-line doc and the flag's help."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = _setting("float32", "float32 | float16 | bfloat16: weights, activations and (by default) the KV pool")
+    device: str = _setting("cpu", "cpu | cuda")
+    block_size: int = _setting(16, "tokens per KV page")
+    kv_cache_tokens: int | None = _setting(None, "KV pool size in tokens (default: what kv_cache_memory bytes hold)")
+    kv_cache_memory: int = _setting(1024**3, "KV pool size in bytes when kv_cache_tokens is None", flag=None)
+    kv_cache_dtype: str | None = _setting(
+        None, "KV pool dtype (default: --dtype); float16/bfloat16 halve its bytes", choices=KV_CACHE_DTYPES
+    )
+    max_num_seqs: int = _setting(128, "sequences decoded together in one step")
+    max_num_batched_tokens: int = _setting(2048, "tokens computed in one step; longer prompts are prefilled in chunks")
+    enable_prefix_caching: bool = _setting(True, "reuse the pages of a common prompt prefix", flag=None)
+    attention_backend: str = _setting("auto", "auto | torch | triton: auto takes Triton on CUDA when it imports")
+    quantize: str | None = _setting(
+        None, "int8: weight-only int8 linears; w8a8: int8 weights and per-token int8 activations", choices=QUANTIZATIONS
+    )
+    num_threads: int | None = _setting(None, "torch CPU threads (default: torch's, one per core)", flag="--threads")
+    compile: bool = _setting(
+        False, "compiled steps: faster decoding; compiled once per model shape and mode (minutes), then cached on disk"
+    )
+    enforce_eager: bool = _setting(
+        False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start"
+    )
+    compile_cache_dir: str | None = _setting(
+        None, "where compile=True keeps its compiled steps, a folder only this user may write (default: "
+        "$MINIGPT_CACHE_DIR or ~/.cache/minigpt/compiled)"
+    )
+    verify_weights: bool = _setting(
+        False, "check the weight files against the SHA-256 the hub published for them (hub checkpoints only)",
+        flag="--verify",
+    )
+    batch_invariant: bool = _setting(
+        False, "CPU: a request's tokens and logprobs bitwise the same whatever it is batched with, however its "
+        "prompt is chunked or cached, preempted or drafted for (float modes too; costs speed)"
+    )
+    max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
+    # bounds on one request's work, and on a step's
+    max_stop_strings: int = _setting(256, "stop strings a request may give")
+    max_stop_chars: int = _setting(16384, "characters a request's stop strings may hold in all")
+    hung_step_seconds: int = _setting(60, "a step running this long makes the engine unhealthy (a hung rank or device)")
+    speculative_config: dict | None = _setting(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'
+    )
+    tensor_parallel_size: int = _setting(
+        1, "processes the model is sharded over by heads (gloo on the CPU, NCCL with one GPU per rank)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting",
+                     "tensor_parallel_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_stop_strings", "max_stop_chars", "hung_step_seconds"):
+            _check_positive(name, getattr(self, name))
+        for name in ("kv_cache_tokens", "num_threads"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name), " or None")
+        for name in ("enable_prefix_caching", "compile", "enforce_eager", "verify_weights", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype is not None:
+            try:
+                resolve_dtype(self.kv_cache_dtype)  # names, or a torch.dtype as `dtype` takes
+            except ValueError:
+                raise ValueError(
+                    f"kv_cache_dtype must be None, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}"
+                ) from None
+        if self.quantize is not None and self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported yet: use one or the other")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant=True with tensor_parallel_size > 1 is not supported: use one or the "
+                             "other")
+        if self.batch_invariant and INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
+            raise ValueError(f"batch_invariant=True needs a block_size that divides {INVARIANT_KEYS} or that it "
+                             f"divides, got {self.block_size}")
+        if self.batch_invariant and self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
+            raise ValueError("batch_invariant=True with compile=True needs quantize='w8a8'")
+        if self.compile:
+            check_torch_for("compile=True")
+        if self.quantize is not None:
+            check_torch_for(f"quantize={self.quantize!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, owner: str, kwargs: dict) -> EngineConfig:
+        """The config for `owner(model, **kwargs)`, naming any argument that is not a field."""
+        unknown = set(kwargs) - set(cls.field_names())
+        if unknown:
+            raise TypeError(f"unknown {owner} argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+
+def _check_positive(name: str, value: object, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
+
+
+# What an engine refuses to start or run with, for the command lines to report in one line and exit 2:
+# bad arguments, a missing or broken checkpoint, a KV pool larger than memory, a compile that failed.
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+
+
+def error_line(err: BaseException) -> str:
+    """The first line of an error's message (its type when it has none)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def flag_error_line(err: BaseException, renames: dict[str, str] | None = None) -> str:
+    """`error_line(err)` in a command line's words: an engine field it names ("num_threads must be ...",
+    "max_tokens=...") named by its flag, and so is each field of `renames` (field -> flag)."""
+    flagged = [(setting, flag) for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None]
+    line = error_line(err)
+    for setting, flag in flagged:  # a switch's "compile=True" is the switch itself
+        if setting.type == "bool":
+            line = re.sub(rf"\b{setting.name}=True\b", flag, line)
+    names = {setting.name: flag for setting, flag in flagged} | (renames or {})
+    pattern = r"(?<![.\w])(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)"  # not a name's tail
+    return re.sub(pattern, lambda match: names[match[1]], line)
+
+
+def _flag(setting: Field) -> str | None:
+    flag = setting.metadata["flag"]
+    return "--" + setting.name.replace("_", "-") if flag == "" else flag
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The command lines' parser: a flag argparse refuses is one line on stderr, like every other error."""
+
+    def error_line(self, message: str) -> str:
+        """`minigpt.generate: error: MESSAGE` for `python -m minigpt.generate`, `minigpt generate: error: ...` for
+        the console command."""
+        return f"{self.prog.removeprefix('python -m ')}: error: {message}"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, self.error_line(message) + " (see --help)\n")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags every command line takes (generate, serve): one per EngineConfig field that has one."""
+    engine = parser.add_argument_group("engine")
+    for setting in fields(EngineConfig):
+        flag, meta = _flag(setting), setting.metadata
+        if flag is None:
+            continue
+        if setting.type == "bool":  # (annotations are strings here) a switch, off by default
+            engine.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "dict": _json_object}.get(setting.type.split(" ")[0])  # None: the string as it is
+        engine.add_argument(flag, type=kind, default=setting.default, choices=meta["choices"], help=meta["help"])
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def engine_args_from(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
+    return {
+        setting.name: getattr(args, flag.removeprefix("--").replace("-", "_"))
+        for setting in fields(EngineConfig)
+        if (flag := _flag(setting)) is not None
+    }

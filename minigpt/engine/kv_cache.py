@@ -1,0 +1,191 @@
+"""The paged KV pool and the block manager that hands its pages out.
+
+The pool is one tensor allocated at start, (n_layer, 2, num_blocks, block_size, n_head,
+head_dim): generation never allocates cache memory per token. Sequences own lists of block
+ids (their block table). Full blocks are hashed, each hash chained to the previous block's, so
+a later prompt with the same prefix reuses them by reference count instead of recomputing;
+a hit is confirmed against the block's tokens. A beam search fork shares all its parent's
+blocks, the partial last one too: the first write into a shared block copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from minigpt.model.config import GPT2Config
+
+
+class CachedSequence(Protocol):
+    """What the block manager reads and updates on a sequence to publish its blocks."""
+
+    block_table: list[int]
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_hashed_blocks: int
+    last_block_hash: int
+
+
+def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes across all layers (K and V)."""
+    return 2 * config.n_layer * config.n_embd * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    """The preallocated K/V pages of every layer."""
+
+    def __init__(
+        self, config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        spare_blocks: int = 0,
+    ) -> None:
+        """`num_blocks` pages for sequences, then `spare_blocks` that no sequence is given (a CUDA graph's
+        padding rows write into one)."""
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.n_layer, 2, num_blocks + spare_blocks, block_size, config.n_head, config.head_dim)
+        # Zeroed, not empty: attention reads whole pages under a mask, and masked garbage that
+        # happens to be NaN would still poison the softmax-weighted sum (NaN * 0 = NaN).
+        try:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            size = self.num_tokens * bytes_per_token(config, dtype)
+            raise MemoryError(
+                f"the KV pool of {self.num_tokens:,} tokens ({size / 2**30:,.1f} GiB of {dtype} on {device}) "
+                "could not be allocated: lower kv_cache_tokens or kv_cache_memory"
+            ) from err
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class BlockManager:
+    """Free list, reference counts and the prefix cache over the pool's block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # chained hash of a full block -> block id
+        self.num_hit_blocks = 0  # prefix-cache hits since start
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        block = self.free.popleft()
+        self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        old = self.block_hash[block]
+        if old is not None and self.cached.get(old) == block:
+            del self.cached[old]
+        self.block_hash[block] = self.block_tokens[block] = None
+
+    def _share(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.free.remove(block)  # revive a freed block that still holds its tokens
+        self.ref_counts[block] += 1
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks of the prefix cache holding the longest run of full blocks of `token_ids`.
+
+        The last token is never matched: its logits have to be computed."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], 0
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            parent = hash((parent, tokens))
+            block = self.cached.get(parent)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, num_new_blocks: int) -> bool:
+        return num_new_blocks <= len(self.free)
+
+    def allocate(self, block_table: list[int], cached_blocks: list[int], num_tokens: int) -> None:
+        """Give a sequence with no blocks the `cached_blocks` it shares plus fresh blocks up to
+        `num_tokens` tokens."""
+        for block in cached_blocks:
+            self._share(block)
+        self.num_hit_blocks += len(cached_blocks)
+        block_table.extend(cached_blocks)
+        self.grow(block_table, num_tokens)
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Append fresh blocks until the table covers `num_tokens` tokens."""
+        need = self.blocks_needed(num_tokens) - len(block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
+        block_table.extend(self._take() for _ in range(need))
+
+    def fork(self, block_table: list[int]) -> list[int]:
+        """A second block table holding the same blocks by reference."""
+        for block in block_table:
+            self.ref_counts[block] += 1
+        return list(block_table)
+
+    def shares(self, block_table: list[int], position: int) -> bool:
+        """Whether the block that holds `position` exists and another table holds it too."""
+        index = position // self.block_size
+        return index < len(block_table) and self.ref_counts[block_table[index]] > 1
+
+    def copy_on_write(self, block_table: list[int], position: int) -> tuple[int, int] | None:
+        """Before a write at `position`: a shared block there is swapped for a fresh one in this table.
+        Returns (shared block, fresh block), whose K/V the runner copies before the write, or None."""
+        if not self.shares(block_table, position):
+            return None
+        index = position // self.block_size
+        shared, fresh = block_table[index], self._take()
+        self.ref_counts[shared] -= 1
+        block_table[index] = fresh
+        return shared, fresh
+
+    def shrink(self, block_table: list[int], num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens (rejected speculative tokens' pages)."""
+        self.free_blocks(block_table[self.blocks_needed(num_tokens) :])
+        del block_table[self.blocks_needed(num_tokens) :]
+
+    def register_full_blocks(self, seq: CachedSequence) -> None:
+        """Publish the sequence's newly full, computed blocks to the prefix cache (incrementally:
+        the sequence carries how many of its blocks are hashed and the last hash)."""
+        if not self.enable_prefix_caching:
+            return
+        while seq.num_hashed_blocks < seq.num_computed_tokens // self.block_size:
+            index = seq.num_hashed_blocks
+            block = seq.block_table[index]
+            tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+            seq.last_block_hash = hash((seq.last_block_hash, tokens))
+            if self.block_hash[block] is None:
+                self.block_hash[block], self.block_tokens[block] = seq.last_block_hash, tokens
+                self.cached.setdefault(seq.last_block_hash, block)
+            seq.num_hashed_blocks += 1
+
+    def free_blocks(self, block_table: list[int]) -> None:
+        """Return a sequence's blocks; freed blocks keep their tokens for the prefix cache until reused."""
+        for block in reversed(block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free.appendleft(block)  # reuse uncached blocks first
+                else:
+                    self.free.append(block)
+        block_table.clear()

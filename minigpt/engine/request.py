@@ -1,0 +1,115 @@
+"""A request and what it returns: the prompt and its n sequences, and the outputs `LLM.generate` gives."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from minigpt.engine.sequence import Sequence
+from minigpt.sampling import SamplingParams, TokenLogprobs
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" (| "abort" | "error" from the concurrent front)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds: time in the queue, to the first token, and per output token after it. Speculative decoding,
+    over the request's completions: verification steps, tokens drafted, drafts accepted."""
+
+    queue_time: float
+    time_to_first_token: float
+    time_per_output_token: float
+    num_preemptions: int
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafted tokens the target accepted, as a fraction (None: nothing drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Drafts accepted per verification step (None: no step verified drafts)."""
+        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt. `token_ids`, `text`, `finish_reason` and `logprobs` are
+    the first completion's (the only one unless SamplingParams.n > 1; all n are in `outputs`)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finished: bool = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class Request:
+    """A prompt and its n sequences."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        first = self.seqs[0]
+        t = first.timings
+        scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival
+        first_token = t.first_token if t.first_token is not None else scheduled
+        end = t.finished if t.finished is not None else time.perf_counter()
+        n_out = len(first.output_token_ids)
+        metrics = RequestMetrics(
+            queue_time=scheduled - t.arrival,
+            time_to_first_token=first_token - t.arrival,
+            time_per_output_token=(end - first_token) / (n_out - 1) if n_out > 1 else 0.0,
+            num_preemptions=sum(s.num_preemptions for s in self.seqs),
+            num_spec_steps=sum(s.num_spec_steps for s in self.seqs),
+            num_draft_tokens=sum(s.num_draft_tokens for s in self.seqs),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in self.seqs),
+        )
+        outputs = [
+            CompletionOutput(i, list(s.output_token_ids), s.text, s.finish_reason, s.logprobs)
+            for i, s in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics, first.prompt_logprobs, self.finished
+        )

@@ -1,0 +1,135 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every sequence is handled the same way: it has tokens whose K/V are not in the pool yet (a
+prompt, a prompt chunk, a recomputation after preemption, or the one token sampled last step)
+and the step computes some of them. Running sequences go first, oldest first; then waiting
+ones are admitted while `max_num_seqs`, the token budget and free blocks allow. When blocks run
+out, the newest running sequence is preempted: its pages are freed and it waits to be
+recomputed, so the pool running dry delays requests instead of failing them. A beam search beam
+that has its logits waits, computing nothing, for its siblings; a block it shares with one is copied
+before the step writes into it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from minigpt.engine.kv_cache import BlockManager
+from minigpt.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: (sequence, number of tokens to compute) in batch order, and the blocks to copy
+    (source, destination) before it runs."""
+
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0 or not seq.num_uncomputed_tokens:
+                continue  # preempted earlier in this loop, no budget left, or a beam waiting for its siblings
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + chunk, batch):
+                continue  # seq preempted itself
+            batch.chunks.append((seq, chunk))
+            budget -= chunk
+        if not batch.preempted:
+            self._admit(batch, budget)
+        idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
+        while not batch.chunks and self.waiting and idle:  # waiting beams' siblings hold the pages they need
+            self._preempt(idle.pop(), batch, front=False)
+            self._admit(batch, budget)
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Grow seq's pages to `num_tokens` (copying a shared block it writes into), preempting newer
+        sequences while blocks are short."""
+        first = seq.num_computed_tokens
+        while not self.blocks.can_allocate(
+            self.blocks.blocks_needed(num_tokens) - len(seq.block_table) + self.blocks.shares(seq.block_table, first)
+        ):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        copy = self.blocks.copy_on_write(seq.block_table, first)
+        if copy is not None:
+            batch.copies.append(copy)
+        self.blocks.grow(seq.block_table, num_tokens)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        admitted_requests: set[int] = set()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            use_cache = seq.params.prompt_logprobs is None  # scoring needs every prompt position computed
+            if seq.request_id in admitted_requests and use_cache and self._shareable(seq):
+                break  # a sibling completion (n > 1) waits one step, then reuses the prompt's pages
+            cached = self.blocks.match_prefix(seq.token_ids) if use_cache else []
+            num_cached = len(cached) * self.blocks.block_size
+            chunk = min(len(seq.token_ids) - num_cached, budget)
+            revived = sum(1 for block in cached if self.blocks.ref_counts[block] == 0)
+            fresh = self.blocks.blocks_needed(num_cached + chunk) - len(cached)
+            if not self.blocks.can_allocate(fresh + revived):
+                break
+            self.waiting.popleft()
+            if seq.timings.first_scheduled is None:  # not when readmitted after a preemption
+                seq.timings.first_scheduled = time.perf_counter()
+            self.blocks.allocate(seq.block_table, cached, num_cached + chunk)
+            seq.num_computed_tokens = num_cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.chunks.append((seq, chunk))
+            budget -= chunk
+            admitted_requests.add(seq.request_id)
+
+    def _shareable(self, seq: Sequence) -> bool:
+        """Whether seq's prompt has a full block another sequence could share from the prefix cache."""
+        return self.blocks.enable_prefix_caching and len(seq.token_ids) - 1 >= self.blocks.block_size
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, front: bool = True) -> None:
+        self.running.remove(seq)
+        self.blocks.free_blocks(seq.block_table)
+        seq.preempt()
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+        batch.preempted.append(seq)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A fork of `parent` (beam search) joins it: running, or waiting right behind it."""
+        if parent.status is Status.RUNNING:
+            self.running.append(child)
+        else:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted, or failed) sequence out and return its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_blocks(seq.block_table)

@@ -1,0 +1,181 @@
+"""One request in flight: its tokens, its pages, its text so far and why it stopped.
+
+A `Sequence` owns its block table and knows how many of its tokens already have K/V in the
+pool (`num_computed_tokens`); the scheduler only moves that counter forward (or back to zero
+on preemption). Text is decoded incrementally as tokens arrive, stop strings are matched across
+token boundaries (one automaton, minigpt/engine/stop_strings.py), and the returned text ends before the
+first stop string completed, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from minigpt.engine.stop_strings import stop_strings
+from minigpt.sampling import SamplingParams, TokenLogprobs
+from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from minigpt.structured.grammar import GrammarState
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    """Tokens, pages and text of one completion."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        tokenizer: Tokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        grammar: GrammarState | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)  # prompt + output: what the pages hold
+        self.params, self.seed = params, seed
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.timings = Timings()
+        # pages
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.last_block_hash = 0
+        self.num_preemptions = 0
+        # speculation: tokens drafted for this step (verified after the last token), and counters
+        self.draft_token_ids: list[int] = []
+        self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+        # output
+        self.text = ""
+        self.num_streamed_chars = 0
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._stops = stop_strings(params.stop) if params.stop else None
+        self._stop_state = 0  # where the text so far leaves the stop strings' automaton
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(eos_token_ids)
+        self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
+        self.grammar = grammar  # structured outputs: advanced by every token appended
+        self._eos_ids = set(eos_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens=0: the prompt's logprobs are the whole answer; nothing is sampled."""
+        return self.params.max_tokens == 0
+
+    def finish_scoring(self) -> None:
+        self._finish("length", "")
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a sampled token and decide whether the sequence is done."""
+        now = time.perf_counter()
+        if self.timings.first_token is None:
+            self.timings.first_token = now
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        grammar_done = False
+        if self.grammar is not None:
+            if not self.grammar.advance(token_id):
+                self.fail(f"token {token_id} does not fit the structured output's grammar: {self.grammar.error}")
+                return
+            grammar_done = self.grammar.complete
+        stopped = token_id in self._stop_ids or (grammar_done and token_id in self._eos_ids)
+        if stopped and len(self.output_token_ids) > self.params.min_tokens:
+            self._finish("stop", self._decoder.flush())
+            return
+        self._extend_text(self._decoder.feed(token_id))
+        if self.finished:
+            return
+        if grammar_done:
+            self._finish("stop", self._decoder.flush())
+        elif len(self.token_ids) >= self.max_len:
+            self._finish("length", self._decoder.flush())
+
+    def _extend_text(self, delta: str) -> None:
+        start = len(self.text)
+        self.text += delta
+        if self._stops is None:
+            return
+        find = len(self.output_token_ids) > self.params.min_tokens
+        self._stop_state, index = self._stops.scan(self._stop_state, delta, find)
+        if index is not None:
+            self.text = self.text[: start + index]
+            self._finish("stop", "")
+
+    def _finish(self, reason: str, tail: str) -> None:
+        self.text += tail
+        self.finish_reason = reason
+        self.status = Status.FINISHED
+        self.timings.finished = time.perf_counter()
+
+    def fail(self, message: str) -> None:
+        """End the sequence with an error (the engine frees its pages)."""
+        self.error = message
+        self._finish("error", "")
+
+    def abort(self) -> None:
+        self._finish("abort", "")
+
+    def take_text_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that may still become a stop string."""
+        end = len(self.text)
+        if not self.finished and self._stops is not None:
+            end -= self._stops.held[self._stop_state]
+        delta = self.text[self.num_streamed_chars : end]
+        self.num_streamed_chars = max(self.num_streamed_chars, end)
+        return delta
+
+    def fork(self, block_table: list[int]) -> Sequence:
+        """A copy that goes on from here on its own (a beam search beam): same tokens and computed pages,
+        `block_table` holding the pages by shared reference."""
+        child = copy.copy(self)
+        child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
+        child.block_table = block_table
+        child.timings = replace(self.timings)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child._decoder = self._decoder.copy()
+        return child
+
+    def preempt(self) -> None:
+        """Drop the pages (the block manager already took them back); recompute later."""
+        self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
+        self.draft_token_ids = []
+        self.status = Status.WAITING
+        self.num_preemptions += 1
+

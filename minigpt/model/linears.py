@@ -1,0 +1,163 @@
+"""Unquantized linears on the CPU: for each dtype and CPU class, the fastest product measured
+(the numbers: scripts/PERFORMANCE.md, "Measurements behind choices in the code").
+
+- `PackedLinear`: the weight reordered once, at load, into oneDNN's blocked layout, which `F.linear`
+  otherwise redoes on every call. bf16 where the CPU multiplies bf16 natively; fp32 on AVX2 CPUs.
+- `HalfWeightLinear`: bf16/fp16 weights on a CPU without that arithmetic, where torch emulates it.
+  Up to `SMALL_BATCH` rows the half kernel runs (it reads half the bytes); beyond, the weight is
+  upcast and multiplied in fp32 by oneDNN, a few thousand rows at a time.
+  torch's `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX
+  multiply bf16 natively: `native_bf16` checks the CPU's flags too.
+
+Both run as ops of our own, opaque to the compiled steps: a packed weight is an opaque `torch._mkldnn`
+tensor `torch.export` cannot take, so the op takes a small handle tensor instead and finds the packed
+weight by the handle's address (as `fbgemm_int8` does); the half product branches on the batch size at
+run time. `torch.library.Library` defines them (the `custom_op` decorator's wrapper costs more per
+call). Opaque also means a model with these linears cannot be deep-copied, saved or cast.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigpt.model.gpt2 import replace_linears
+
+SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting (GPT-2, 4 rows: 60 vs 96 ms; 16: 247 vs 134)
+TILE_ROWS = 16  # rows in every product of a `RowTiles` linear
+UPCAST_ROWS = 4096  # weight rows upcast at a time: 12 MB of fp32 for GPT-2's 768 inputs
+_PACKED: dict[int, torch.Tensor] = {}  # data_ptr of a PackedLinear's handle -> its weight in oneDNN's layout
+
+
+def _packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle.data_ptr()], bias, "none", [], "")
+
+
+def _half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, weight.shape[1])
+    if flat.shape[0] <= SMALL_BATCH:
+        return F.linear(x, weight, bias)
+    flat = flat.float()
+    out = flat.new_empty(flat.shape[0], weight.shape[0], dtype=x.dtype)
+    for start in range(0, weight.shape[0], UPCAST_ROWS):
+        rows = slice(start, start + UPCAST_ROWS)
+        part_bias = None if bias is None else bias[rows].float()
+        out[:, rows] = torch.ops.mkldnn._linear_pointwise(flat, weight[rows].float(), part_bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`weight`: the weight, or a packed weight's handle: [out_features] either way."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LIBRARY = torch.library.Library("minigpt", "FRAGMENT")
+for _name, _kernel in (("packed_linear", _packed_linear), ("half_weight_linear", _half_weight_linear)):
+    _LIBRARY.define(f"{_name}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"minigpt::{_name}", _linear_shape, lib=_LIBRARY)
+
+
+class PackedLinear(nn.Module):
+    """A frozen nn.Linear whose weight lives only in oneDNN's packed layout, for as long as its
+    `handle` (one byte per output feature) lives."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        handle = torch.empty(self.out_features, dtype=torch.uint8, device=linear.weight.device)
+        _PACKED[handle.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        weakref.finalize(handle, _PACKED.pop, handle.data_ptr(), None)
+        self.register_buffer("handle", handle, persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minigpt.packed_linear.default(x, self.handle, self.bias)
+
+
+class HalfWeightLinear(nn.Module):
+    """A frozen half-precision nn.Linear for a CPU without half arithmetic (see the module's docstring)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minigpt.half_weight_linear.default(x, self.weight, self.bias)
+
+
+class RowTiles(nn.Module):
+    """A linear run `TILE_ROWS` rows at a time, the last tile padded with zeros (`batch_invariant=True`):
+    a float matrix product's reduction order follows its number of rows, so each row's result would
+    otherwise depend on how many rows share its product."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear, self.in_features, self.out_features = linear, linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        padded = F.pad(flat, (0, 0, 0, -rows % TILE_ROWS))
+        out = torch.cat([self.linear(tile) for tile in padded.split(TILE_ROWS)])[:rows]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def tile_rows(model: nn.Module) -> nn.Module:
+    """Wrap every linear of `model` (nn.Linear or one of its replacements) in place in `RowTiles`."""
+    for module in list(model.modules()):
+        if isinstance(module, RowTiles):
+            continue
+        for name, child in list(module.named_children()):
+            if hasattr(child, "in_features") and not isinstance(child, RowTiles):
+                setattr(module, name, RowTiles(child))
+    return model
+
+
+def x86_flags() -> frozenset[str] | None:
+    """This x86 CPU's feature flags from /proc/cpuinfo; None on other CPUs or where it cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """oneDNN runs bf16 and the CPU multiplies it natively (an x86 CPU whose flags cannot be read is
+    taken at oneDNN's word)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    flags = x86_flags()
+    return flags is None or not flags.isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_linear_for(dtype: torch.dtype, device: torch.device) -> type[nn.Module] | None:
+    """The linear a `dtype` model on `device` runs fastest with; None keeps nn.Linear."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if dtype == torch.float32:
+        return PackedLinear if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+    native = {torch.bfloat16: native_bf16, torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+    if dtype not in native:
+        return None
+    if not native[dtype]():
+        return HalfWeightLinear
+    return PackedLinear if dtype == torch.bfloat16 else None  # packed fp16 was slower for GPT-2's head
+
+
+def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Replace every nn.Linear of an unquantized `model` in place by the linear `cpu_linear_for` picks."""
+    kind = cpu_linear_for(dtype, device)
+    return model if kind is None else replace_linears(model, kind)

@@ -1,0 +1,48 @@
+"""`verify_weights=True` (`--verify`): a checkpoint's weight files checked against the SHA-256 the
+Hugging Face hub published for them, as safetensors files carry no checksum of their own.
+
+A hub checkpoint is a snapshot in huggingface_hub's cache, where each large (LFS) file links to a blob
+named by its ETag on the hub, which for an LFS file is the SHA-256 the hub published: the hash to
+expect, known with no network. A local folder's files have none, and verifying one is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from minigpt.model.weights import CheckpointError, weight_files
+
+logger = logging.getLogger("minigpt")
+
+
+def published_sha256(file: Path) -> str | None:
+    """The SHA-256 the hub published for `file` of a downloaded snapshot (`snapshots/REV/NAME` links to
+    `blobs/SHA256`), None when `file` is no such link (a local folder's, or a small file's, whose
+    ETag is a git hash)."""
+    if not file.is_symlink():
+        return None
+    blob = file.resolve()
+    return blob.name if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
+
+
+def verify_weights(path: Path, published: Callable[[Path], str | None] = published_sha256) -> None:
+    """Raise `CheckpointError` unless every weight file of the checkpoint in `path` has the SHA-256
+    `published(file)` gives for it."""
+    files = weight_files(path)
+    for file in files:
+        expected = published(file)
+        if expected is None:
+            raise CheckpointError(f"verify_weights=True: no published SHA-256 is known for {file} (only a "
+                                  "hub download has one): run without it")
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != expected:
+            raise CheckpointError(f"{file} is not the file the hub published: its SHA-256 is {digest.hexdigest()}, "
+                                  f"the hub's {expected}; delete it and download it again")
+    logger.info("verified %d weight file%s against the hub's SHA-256", len(files), "s" * (len(files) > 1))

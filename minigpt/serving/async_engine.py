@@ -1,0 +1,205 @@
+"""AsyncLLM: one engine thread serving many callers, from threads or asyncio tasks, at once.
+
+    llm = AsyncLLM("gpt2")
+    handle = llm.submit("Hello", SamplingParams(max_tokens=32))   # any thread, or asyncio code
+    for delta in handle: ...          # or: async for delta in handle / handle.result() / await handle.wait()
+
+`submit` validates and tokenizes in the caller's thread, then drops the request into an inbox.
+The engine thread alone touches the engine (scheduler, KV pool, model): between two steps it
+drains the inbox (new requests, cancellations), so requests join the running batch as they
+arrive; after a step it hands each request's new tokens and text to its `RequestHandle`, whose
+readers it wakes (a condition for threads, `call_soon_threadsafe` for event loops). When there
+is no work the thread sleeps on a condition.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Literal
+
+import torch
+
+from minigpt.beam.params import BeamSearchParams
+from minigpt.beam.search import BeamGroup
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.engine import Engine
+from minigpt.engine.request import Prompt, Request
+from minigpt.sampling import SamplingParams
+from minigpt.serving.metrics import EngineMetrics, MetricsCollector
+from minigpt.serving.request_handle import RequestHandle
+from minigpt.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger("minigpt")
+
+
+class QueueFullError(RuntimeError):
+    """`max_waiting` requests already wait for the engine: retry later (a server answers 503)."""
+
+
+Command = Literal["add", "cancel"]
+
+
+class AsyncLLM:
+    """A GPT-2 engine on its own daemon thread, shared by any number of threads and asyncio tasks.
+
+    `model` and `engine_args` are those of `LLM` (the fields of `EngineConfig`); `max_waiting`
+    bounds the requests not yet running: beyond it `submit` raises QueueFullError at once.
+    Also a context manager; `close()` ends pending requests with finish_reason "abort"."""
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.config = EngineConfig.from_kwargs("AsyncLLM", engine_args)
+        self.engine = Engine(model, self.config)
+        self._metrics = MetricsCollector(self.engine.blocks.num_blocks)
+        self.engine.on_step = lambda batch, _, num_tokens: self._metrics.record_step(len(batch.chunks), num_tokens)
+        self._wakeup = threading.Condition()
+        self._inbox: deque[tuple[Command, RequestHandle]] = deque()
+        self._closed = False
+        self._active: dict[int, RequestHandle] = {}  # engine thread only
+        self._step_started: float | None = None  # monotonic time of the step running now
+        self._loop_error: str | None = None  # what ended the engine thread, when not close()
+        self._thread = threading.Thread(target=self._run, name="minigpt-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def kv_cache_info(self) -> dict[str, int]:
+        """Pool size and use, as `LLM.kv_cache_info` (a snapshot: the engine thread may be mid-step)."""
+        return self.engine.kv_cache_info()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread serves requests (False after close() or a crash of its loop)."""
+        return not self._closed and self._thread.is_alive()
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve requests now (for a health check); None while it can: stopped, its
+        thread ended by an error, a step running past hung_step_seconds, a tensor-parallel rank gone."""
+        if self._loop_error is not None:
+            return f"the engine thread failed: {self._loop_error}"
+        if not self.is_running:
+            return "the engine is stopped"
+        started = self._step_started
+        if started is not None and time.monotonic() - started >= self.config.hung_step_seconds:
+            return (f"an engine step has run for {time.monotonic() - started:.0f} s, past hung_step_seconds="
+                    f"{self.config.hung_step_seconds}")
+        return self.engine.runner.problem()
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
+        a full queue QueueFullError."""
+        self._check_open()
+        return self._enqueue(self.engine.make_request(prompt, SamplingParams() if params is None else params))
+
+    def submit_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> RequestHandle:
+        """Queue a beam search, as `submit`; its handle streams nothing and its output's completions are the
+        params.beam_width hypotheses, best first."""
+        self._check_open()
+        return self._enqueue(self.engine.make_beam_request(prompt, params))
+
+    def _enqueue(self, request: Request | BeamGroup) -> RequestHandle:
+        handle = RequestHandle(request, self._request_cancel)
+        with self._wakeup:
+            self._check_open()
+            if self._metrics.num_waiting >= self.config.max_waiting:
+                raise QueueFullError(f"{self.config.max_waiting} requests already wait (max_waiting); retry later")
+            self._metrics.record_submit(len(request.prompt_token_ids))
+            self._inbox.append(("add", handle))
+            self._wakeup.notify()
+        return handle
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine-wide counters (see minigpt.serving.metrics)."""
+        return self._metrics.snapshot()
+
+    def close(self) -> None:
+        """Stop the engine thread (pending requests end with "abort") and free the KV pool; idempotent."""
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        self._thread.join()
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncLLM is closed")
+
+    def _request_cancel(self, handle: RequestHandle) -> None:
+        with self._wakeup:
+            if not self._closed:
+                self._inbox.append(("cancel", handle))
+                self._wakeup.notify()
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():  # grad mode is per thread
+                while self._serve_once():
+                    pass
+        except BaseException as err:
+            self._loop_error = f"{type(err).__name__}: {err}"
+            raise
+        finally:  # closed, or a bug in this loop: never leave a caller waiting
+            with self._wakeup:
+                self._closed = True
+                self._active.update((h.request_id, h) for command, h in self._inbox if command == "add")
+                self._inbox.clear()
+            for handle in self._active.values():
+                self.engine.abort(handle.request)
+            self._deliver(list(self._active.values()))
+            self.engine.close()
+
+    def _serve_once(self) -> bool:
+        """Take the inbox, run one step; False once closed."""
+        with self._wakeup:
+            self._wakeup.wait_for(lambda: self._inbox or self._closed or self.engine.has_work())
+            commands, closing = list(self._inbox), self._closed
+            self._inbox.clear()
+        changed = []
+        for command, handle in commands:
+            if command == "add":
+                self._active[handle.request_id] = handle
+                self.engine.add(handle.request)
+            elif handle.request_id in self._active:
+                self.engine.abort(handle.request)
+                changed.append(handle)
+        if closing:
+            return False
+        if self.engine.has_work():
+            changed += self._step()
+        self._deliver(changed)
+        return True
+
+    def _step(self) -> list[RequestHandle]:
+        """Run one step; returns the handles with news. A failing step fails its requests only."""
+        self._step_started = time.monotonic()
+        try:
+            sampled = self.engine.step()
+        except Exception:  # the step failed its own requests; the others go on
+            logger.exception("engine step failed")
+            return list(self._active.values())
+        finally:
+            self._step_started = None
+        ids = dict.fromkeys(seq.request_id for seq in sampled)
+        return [self._active[request_id] for request_id in ids if request_id in self._active]  # not yet delivered
+
+    def _deliver(self, handles: list[RequestHandle]) -> None:
+        """Update the metrics, then hand out deltas: a caller who sees its request done sees it counted."""
+        news = [(handle, *handle.collect()) for handle in dict.fromkeys(handles)]
+        finished = [output for _, _, output in news if output is not None]
+        for output in finished:
+            del self._active[output.request_id]
+        self._metrics.update(self.engine.num_running_requests(), self.engine.blocks.num_used, finished)
+        for handle, deltas, output in news:
+            handle.publish(deltas, output)
