@@ -16,6 +16,7 @@ LAYERS = [
     ("engine", ["minigpt.engine"]),
     ("features", ["minigpt.beam", "minigpt.speculative", "minigpt.structured", "minigpt.tensor_parallel",
                   "minigpt.compile", "minigpt.quant"]),
+    ("assembly", ["minigpt.assemble"]),
     ("serving", ["minigpt.serving", "minigpt.server", "minigpt.batch_jobs"]),
     ("front", ["minigpt", "minigpt.llm", "minigpt.generate", "minigpt.serve", "minigpt.batch", "minigpt.precompile",
                "minigpt.cli"]),

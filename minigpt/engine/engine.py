@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from minigpt.assemble.runner import build_runner
 from minigpt.beam.params import BeamSearchParams
 from minigpt.beam.search import BeamGroup, advance_all
 from minigpt.common.transfer import to_device
@@ -31,7 +32,6 @@ from minigpt.model.weights_verify import verify_weights
 from minigpt.sampling import GrammarMask, Sampler, SamplingParams, prompt_logprobs
 from minigpt.speculative import SpeculativeConfig, Speculator, accept, sampling_rows
 from minigpt.structured.grammar import compiler_for, fill_bitmask
-from minigpt.tensor_parallel import make_runner
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("minigpt")
@@ -50,7 +50,7 @@ class Engine:
         if config.verify_weights:
             verify_weights(path)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.runner = make_runner(path, config)
+        self.runner = build_runner(path, config)
         self.model_config = self.runner.model.config
         self.blocks = BlockManager(self.runner.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)

@@ -1,17 +1,6 @@
-"""Tensor parallelism over torch.distributed: the model sharded over `tensor_parallel_size` processes."""
+"""Tensor parallelism over torch.distributed: the model sharded over `tensor_parallel_size` processes.
 
-from __future__ import annotations
-
-from pathlib import Path
-
-from minigpt.engine.config import EngineConfig
-from minigpt.engine.runner import ModelRunner
-
-
-def make_runner(path: Path, config: EngineConfig) -> ModelRunner:
-    """The engine's model runner: one process's, or rank 0's of a tensor-parallel group."""
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(path, config)
-    from minigpt.tensor_parallel.runner import TensorParallelRunner
-
-    return TensorParallelRunner(path, config)
+    shard.py   which slice of each weight a rank holds; the all-reduce after the row-parallel products
+    group.py   the process group and its all-reduce
+    runner.py  rank 0's runner that drives the worker ranks, and the workers' loop
+"""
