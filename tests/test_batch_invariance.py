@@ -2,7 +2,7 @@
 whatever it is batched with, however its prompt is chunked, whether its prefix came from the cache,
 whether it was preempted and recomputed, and whether speculation drafted for it.
 
-Each mode that promises it (README, "Batch invariance") runs a few cases drawn by a seeded
+Each mode that promises it (docs/batch-invariance.md) runs a few cases drawn by a seeded
 `random.Random`: the target prompt alone in an engine that neither chunks nor preempts, then among
 random others of random lengths, with a random step budget (chunked prefill), a pool small enough to
 preempt, others sharing its prefix (prefix-cache hits) and n-gram speculation.

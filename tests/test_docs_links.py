@@ -1,4 +1,4 @@
-"""Every link in README.md and docs/*.md resolves: a relative file exists, and an #anchor names a heading of
+"""Every link in README.md, docs/*.md and scripts/PERFORMANCE*.md resolves: a relative file exists, and an #anchor names a heading of
 its target as GitHub slugs it."""
 
 import re
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS, *sorted((ROOT / "scripts").glob("PERFORMANCE*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -58,7 +59,7 @@ def test_every_link_resolves(page):
 
 def test_the_readme_links_every_docs_page():
     linked = {(ROOT / target.partition("#")[0]).resolve() for target in links(ROOT / "README.md")}
-    assert not [page.name for page in PAGES[1:] if page not in linked]
+    assert not [page.name for page in DOCS if page not in linked]
 
 
 def test_slugs_follow_github():
