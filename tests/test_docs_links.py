@@ -1,5 +1,5 @@
-"""Every link in README.md, docs/*.md and scripts/PERFORMANCE*.md resolves: a relative file exists, and an #anchor names a heading of
-its target as GitHub slugs it."""
+"""Every link in README.md, docs/*.md and scripts/PERFORMANCE*.md resolves: a relative file exists, and an
+#anchor names a heading of its target as GitHub slugs it."""
 
 import re
 from pathlib import Path
