@@ -1,8 +1,4 @@
-"""KV store in Triton: write a step's new K/V rows into their cache slots.
-
-One program per row; a row whose slot is -1 (padding) writes nothing. The reference is
-``minigpt.kernels.reference.store_kv``.
-"""
+"""A step's new K/V rows into their cache slots in Triton, a program per row (reference: `reference.store_kv`)."""
 
 import triton
 import triton.language as tl
@@ -49,11 +45,7 @@ def _store_kv_kernel(
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write the K/V rows of a step into their cache slots, in place.
-
-    key, value: [N, H, D] (same strides); k_cache, v_cache: [num_blocks, block_size, H, D] (same strides);
-    slot_mapping: [N] int64, a slot per row, -1 for a padding row that is not written.
-    """
+    """As `reference.store_kv`; key and value, k_cache and v_cache of the same strides."""
     num_rows, num_heads, head_dim = key.shape
     if key.shape != value.shape or key.stride() != value.stride():
         raise ValueError("key and value must have the same shape and strides")

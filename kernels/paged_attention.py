@@ -1,13 +1,6 @@
-"""Paged decode attention in Triton: one query token per sequence against its KV pages.
-
-Each program takes one (sequence, head) pair, or one split of its context (flash-decoding), walks the
-tokens ``BLOCK_N`` at a time through the block table, and keeps an online softmax in fp32. With more than
-one split, every split writes its unnormalised output with its running max and sum, and a second kernel
-merges the splits. The reference is ``minigpt.kernels.reference.paged_decode_attention``.
-
-By default a split is ``SPLIT_TOKENS`` context tokens, whatever the batch or the page tables' width, so a
-sequence's attention is summed in the same order alone, in any batch, and in a CUDA graph's padded step.
-"""
+"""Paged decode attention in Triton (reference: `reference.paged_decode_attention`): a program per (sequence,
+head, context split), an fp32 online softmax, the splits merged by a second kernel. A split is SPLIT_TOKENS
+whatever the batch, so a sequence sums in the same order alone, in any batch and in a CUDA graph."""
 
 import torch
 import triton
@@ -34,11 +27,8 @@ def _attend(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Online softmax of q ([BLOCK_D], fp32, pre-scaled by log2(e) * scale) over tokens [start, end).
-
-    k_head, v_head: [BLOCK_D] pointers to (block 0, offset 0, this head); table_row: the block table row.
-    Returns (acc [BLOCK_D] unnormalised, m running max in log2 units, l_sum running sum), all fp32.
-    """
+    """q [BLOCK_D] fp32, pre-scaled by log2(e) * scale, over tokens [start, end) -> (acc unnormalised,
+    m running max in log2 units, l_sum running sum), fp32."""
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     m = tl.full([], float("-inf"), dtype=tl.float32)
     l_sum = tl.full([], 0.0, dtype=tl.float32)
@@ -167,13 +157,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
 ) -> Tensor:
-    """One query token per sequence attending to the first ``context_lens[b]`` tokens of its pages.
-
-    query: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, H, D] (same strides);
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32. Returns [B, H, D] in the query's dtype.
-    num_splits: context splits per (sequence, head); None: splits of ``default_split_tokens``. A row with
-    context_len 0 returns zeros.
-    """
+    """As `reference.paged_decode_attention`; num_splits None: splits of `default_split_tokens`."""
     batch, num_heads, head_dim = query.shape
     block_size = k_cache.shape[1]
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():

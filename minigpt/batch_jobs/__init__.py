@@ -4,6 +4,4 @@
     files.py    the input read lazily, duplicates refused, the output resumed (a torn last line cut) and appended
     window.py   the bound on engine requests in flight, first come first served
     job.py      the run: every line through the engine at once within the window, progress, the summary
-
-Needs the optional `server` extra (FastAPI's pydantic models, jinja2 chat templates): pip install "minigpt[server]".
 """

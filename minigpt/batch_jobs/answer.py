@@ -1,13 +1,5 @@
-"""One line of an OpenAI Batch input file answered as the server answers its body.
-
-An input line is `{"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-"body": {...}}`; its output line is `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error"}`, where `body` is what the server answers the body (built by the server's own functions:
-minigpt/server/protocol.py, chat.py, submit.py) and `error` is null for a 200, else the error's code and
-message. A line that is not a request (not JSON, no custom_id, another method or url) is a 400 like the
-server's. The ids are derived from the custom_id (from the line number where there is none), so a job
-resumed gives the lines an uninterrupted one gives; only `created`, the time of the answer, differs.
-"""
+"""One OpenAI Batch input line answered by the server's own builders; its ids derive from the custom_id (else
+the line number), so a resumed job writes what an uninterrupted one writes."""
 
 from __future__ import annotations
 
@@ -38,7 +30,6 @@ logger = logging.getLogger("minigpt.batch")
 
 
 def line_key(custom_id: object, number: int) -> int:
-    """What identifies a line's result in the output: its custom_id, else (none usable) its line number."""
     key = f"custom_id:{custom_id}" if isinstance(custom_id, str) else f"line:{number}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "big")
 
@@ -48,7 +39,6 @@ def output_id(key: int) -> str:
 
 
 def key_of_output_id(text: object) -> int | None:
-    """The key of an output line's `id` (None: not an id this module writes)."""
     if not isinstance(text, str) or not text.startswith("batch_req_"):
         return None
     try:
@@ -58,7 +48,6 @@ def key_of_output_id(text: object) -> int | None:
 
 
 def custom_id_of(text: str | UnicodeDecodeError) -> object:
-    """A line's custom_id as written (None for a line that is not a JSON object)."""
     if isinstance(text, UnicodeDecodeError):
         return None
     try:
@@ -70,7 +59,6 @@ def custom_id_of(text: str | UnicodeDecodeError) -> object:
 
 @dataclass
 class Answer:
-    """An output line and the counts the progress and summary report."""
 
     record: dict
     failed: bool
@@ -79,7 +67,7 @@ class Answer:
 
 
 class Answerer:
-    """Answers input lines through `llm`, served as `model_name`, with `template` for chat (None: chat is a 400)."""
+    """`template` None: chat is a 400."""
 
     def __init__(self, llm: AsyncLLM, model_name: str, template: ChatTemplate | None, window: Window) -> None:
         self.llm = llm
@@ -88,7 +76,6 @@ class Answerer:
         self.window = window
 
     async def answer(self, number: int, text: str | UnicodeDecodeError) -> Answer:
-        """The output line for input line `number`; cancelling the call cancels its engine requests."""
         try:
             record = _request_line(number, text)
         except APIError as err:

@@ -27,8 +27,7 @@ def open_input(path: str) -> BinaryIO:
 
 
 def numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
-    """(line number, text) of each non-blank line, read as it is asked for; for a line that is not UTF-8,
-    the error instead of its text."""
+    """(line number, text or its UnicodeDecodeError) of each non-blank line, lazily."""
     for number, raw in enumerate(stream, 1):
         if number == 1:
             raw = raw.removeprefix(BOM)
@@ -41,8 +40,6 @@ def numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, str | UnicodeDecodeE
 
 
 def scan_input(path: str, done: set[int]) -> int:
-    """The number of requests in input file `path` not yet in `done`; ValueError naming the lines of a
-    custom_id given twice."""
     seen: set[int] = set()
     todo = 0
     with open_input(path) as stream:
@@ -63,8 +60,7 @@ def _repeated(path: str, number: int, text: str | UnicodeDecodeError) -> str:
 
 
 def resume_output(path: str) -> set[int]:
-    """The keys of the results output file `path` holds (none if it does not exist); a last line without its
-    newline, torn by a kill, is cut off to be redone. ValueError for a file that is not a job's output."""
+    """The keys of the results in `path`; a last line torn by a kill is cut off to be redone."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or a device: nothing to resume
             return set()
@@ -95,7 +91,6 @@ def resume_output(path: str) -> set[int]:
 
 
 class ResultWriter:
-    """Appends result lines to `path` (`-`: stdout), each written and flushed whole as it completes."""
 
     def __init__(self, path: str) -> None:
         self.path, self.failed, self._remove = path, False, False

@@ -1,10 +1,5 @@
-"""The run of a batch job: input lines read on a thread of their own as the window lets them in, every line
-in flight answered at once (the engine batches them continuously), each result written as it completes.
-
-Memory stays flat whatever the file's length: at most `max_in_flight` lines are read ahead of their results,
-and the engine holds at most `max_in_flight` requests; what grows with the file is one 16-byte key per line
-(to refuse repeated custom_ids, and to skip those done).
-"""
+"""A batch job's run: lines read on a thread as the window lets them in, all in flight answered at once, each
+result written as it completes; at most `max_in_flight` lines ahead, so memory stays flat."""
 
 from __future__ import annotations
 
@@ -31,8 +26,6 @@ class EngineStopped(RuntimeError):
 
 @dataclass
 class Summary:
-    """What a job did: requests answered this run (failed among them), those skipped as already in the output,
-    tokens, and why it stopped early (None: it did not)."""
 
     requests: int = 0
     failed: int = 0
@@ -72,9 +65,7 @@ class Summary:
 async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDecodeError]], done: set[int],
                   writer: ResultWriter, progress: Progress, summary: Summary, max_in_flight: int,
                   source: str, check_repeats: bool) -> None:
-    """Answer every line whose key is not in `done`, each written as it completes; with `check_repeats` (input
-    not checked before), a repeated custom_id stops the job. Cancelling the call cancels the requests in
-    flight (their lines are not written: a rerun does them)."""
+    """Answers every line whose key is not in `done`; cancelled, its requests in flight are not written."""
     reader = _Reader(lines, asyncio.get_running_loop(), min(max_in_flight, 256))
     slots = asyncio.Semaphore(max_in_flight)  # lines read ahead of their results
     seen: set[int] = set()
@@ -132,8 +123,7 @@ async def run_job(answerer: Answerer, lines: Iterator[tuple[int, str | UnicodeDe
 
 
 class _Reader:
-    """Lines read on a daemon thread of their own, at most `ahead` of the job: a read from stdin may block for
-    as long as its writer waits, never the event loop."""
+    """Lines read on a daemon thread, at most `ahead` of the job: a blocking stdin never holds the event loop."""
 
     def __init__(self, lines: Iterator, loop: asyncio.AbstractEventLoop, ahead: int) -> None:
         self._lines, self._loop = lines, loop

@@ -8,8 +8,7 @@ from collections import deque
 
 
 class Window:
-    """`size` units (engine requests in flight); `acquire(k)` waits until k are free and all earlier
-    acquirers are served. k is capped at `size`: a request larger than the window runs alone."""
+    """`acquire(k)` waits until k units are free and earlier acquirers served; k capped at `size`."""
 
     def __init__(self, size: int) -> None:
         self.size = size

@@ -1,5 +1,6 @@
-"""What every layer may use: device transfers, the torch releases supported, progress lines, the version.
+"""What every layer may use.
 
+    errors.py         ParamError, the one error type that carries its field
     transfer.py       host values to device tensors (pinned, non-blocking on CUDA)
     torch_support.py  the torch releases minigpt has run on, checked at start
     progress.py       progress lines on stderr for long batches and long waits

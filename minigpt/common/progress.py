@@ -1,5 +1,4 @@
-"""What a user sees on stderr during long work: a one-line progress report for long batches
-(requests done, tokens per second, failures and the time left), and a line for each long wait such as a compile."""
+"""Progress on stderr: a one-line report for long batches, and a line for each long wait such as a compile."""
 
 from __future__ import annotations
 
@@ -7,17 +6,15 @@ import logging
 import sys
 import time
 
-PREFIX = "[minigpt] "  # every line minigpt writes to stderr: progress, waits and the CLIs' logs
+PREFIX = "[minigpt] "  # of every line minigpt writes to stderr
 
 
 def log_to_stderr(level: int | str) -> None:
-    """The CLIs' logging: the engine's INFO lines (loading, compiling) on stderr, prefixed."""
     logging.basicConfig(level=level, format=PREFIX + "%(message)s", stream=sys.stderr)
 
 
 def announce(logger: logging.Logger, message: str, *args: object) -> None:
-    """Log `message % args` at INFO; when logging would not show it and stderr is a terminal, write
-    it there instead, so that a wait of minutes (compile=True at start) never passes in silence."""
+    """INFO, or straight to a terminal when logging would not show it: a wait of minutes is never silent."""
     if logger.isEnabledFor(logging.INFO) or not sys.stderr.isatty():
         logger.info(message, *args)
     else:
@@ -26,10 +23,8 @@ def announce(logger: logging.Logger, message: str, *args: object) -> None:
 
 
 class Progress:
-    """Redraws `done/total requests, tok/s[, failed][, ETA]` in place on a terminal (at most 10 times a second);
-    elsewhere (a log) writes it as a line every `every` seconds. Silent unless stderr is a terminal or
-    `enabled=True`, and for batches too small to need it. `total` None: a count with no end known (a job
-    reading stdin). `close` shows the last update if it was held back."""
+    """`done/total requests, tok/s[, failed][, ETA]`, redrawn in place on a terminal, else a line every `every`
+    seconds; `total` None when unknown (stdin)."""
 
     def __init__(self, total: int | None, enabled: bool | None = None, min_total: int = 8,
                  every: float = 10.0) -> None:

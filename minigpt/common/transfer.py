@@ -1,9 +1,4 @@
-"""Host values to device tensors without stalling a GPU.
-
-A copy from pageable memory synchronizes the CUDA stream, so the host could not queue the next
-step while the GPU runs this one; pinned memory and a non-blocking copy avoid that. On the CPU it
-is a plain `torch.tensor`.
-"""
+"""Host values to device tensors: pinned and non-blocking on CUDA, as a pageable copy syncs the stream."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The paged KV pool and the block manager that hands its pages out.
-
-The pool is one tensor allocated at start, (n_layer, 2, num_blocks, block_size, n_head,
-head_dim): generation never allocates cache memory per token. Sequences own lists of block
-ids (their block table). Full blocks are hashed, each hash chained to the previous block's, so
-a later prompt with the same prefix reuses them by reference count instead of recomputing;
-a hit is confirmed against the block's tokens. A beam search fork shares all its parent's
-blocks, the partial last one too: the first write into a shared block copies it (copy-on-write).
-"""
+"""The paged KV pool, allocated once, and the block manager: free list, reference counts, a prefix cache of
+full blocks by chained hash, and copy-on-write for blocks that forked tables share."""
 
 from __future__ import annotations
 
@@ -20,8 +13,6 @@ from minigpt.model.config import GPT2Config
 
 
 class CachedSequence(Protocol):
-    """What the block manager reads and updates on a sequence to publish its blocks."""
-
     block_table: list[int]
     token_ids: list[int]
     num_computed_tokens: int
@@ -30,23 +21,18 @@ class CachedSequence(Protocol):
 
 
 def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes across all layers (K and V)."""
     return 2 * config.n_layer * config.n_embd * torch.empty((), dtype=dtype).element_size()
 
 
 class KVPool:
-    """The preallocated K/V pages of every layer."""
-
     def __init__(
         self, config: GPT2Config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
         spare_blocks: int = 0,
     ) -> None:
-        """`num_blocks` pages for sequences, then `spare_blocks` that no sequence is given (a CUDA graph's
-        padding rows write into one)."""
+        """`spare_blocks` are given to no sequence (a CUDA graph's padding rows write into one)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.n_layer, 2, num_blocks + spare_blocks, block_size, config.n_head, config.head_dim)
-        # Zeroed, not empty: attention reads whole pages under a mask, and masked garbage that
-        # happens to be NaN would still poison the softmax-weighted sum (NaN * 0 = NaN).
+        # zeroed: attention reads whole pages under a mask, and NaN * 0 = NaN
         try:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
@@ -66,8 +52,6 @@ class KVPool:
 
 
 class BlockManager:
-    """Free list, reference counts and the prefix cache over the pool's block ids."""
-
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -76,7 +60,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # chained hash of a full block -> block id
-        self.num_hit_blocks = 0  # prefix-cache hits since start
+        self.num_hit_blocks = 0
 
     @property
     def num_used(self) -> int:
@@ -103,9 +87,7 @@ class BlockManager:
         self.ref_counts[block] += 1
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks of the prefix cache holding the longest run of full blocks of `token_ids`.
-
-        The last token is never matched: its logits have to be computed."""
+        """The cached blocks of the longest run of full blocks of `token_ids`, never its last token's."""
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], 0
@@ -122,8 +104,6 @@ class BlockManager:
         return num_new_blocks <= len(self.free)
 
     def allocate(self, block_table: list[int], cached_blocks: list[int], num_tokens: int) -> None:
-        """Give a sequence with no blocks the `cached_blocks` it shares plus fresh blocks up to
-        `num_tokens` tokens."""
         for block in cached_blocks:
             self._share(block)
         self.num_hit_blocks += len(cached_blocks)
@@ -131,26 +111,22 @@ class BlockManager:
         self.grow(block_table, num_tokens)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Append fresh blocks until the table covers `num_tokens` tokens."""
         need = self.blocks_needed(num_tokens) - len(block_table)
         if need > len(self.free):
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
         block_table.extend(self._take() for _ in range(need))
 
     def fork(self, block_table: list[int]) -> list[int]:
-        """A second block table holding the same blocks by reference."""
         for block in block_table:
             self.ref_counts[block] += 1
         return list(block_table)
 
     def shares(self, block_table: list[int], position: int) -> bool:
-        """Whether the block that holds `position` exists and another table holds it too."""
         index = position // self.block_size
         return index < len(block_table) and self.ref_counts[block_table[index]] > 1
 
     def copy_on_write(self, block_table: list[int], position: int) -> tuple[int, int] | None:
-        """Before a write at `position`: a shared block there is swapped for a fresh one in this table.
-        Returns (shared block, fresh block), whose K/V the runner copies before the write, or None."""
+        """(shared, fresh) when the block at `position` was shared and is now this table's own copy to fill."""
         if not self.shares(block_table, position):
             return None
         index = position // self.block_size
@@ -160,13 +136,10 @@ class BlockManager:
         return shared, fresh
 
     def shrink(self, block_table: list[int], num_tokens: int) -> None:
-        """Return the blocks past the first `num_tokens` tokens (rejected speculative tokens' pages)."""
         self.free_blocks(block_table[self.blocks_needed(num_tokens) :])
         del block_table[self.blocks_needed(num_tokens) :]
 
     def register_full_blocks(self, seq: CachedSequence) -> None:
-        """Publish the sequence's newly full, computed blocks to the prefix cache (incrementally:
-        the sequence carries how many of its blocks are hashed and the last hash)."""
         if not self.enable_prefix_caching:
             return
         while seq.num_hashed_blocks < seq.num_computed_tokens // self.block_size:
@@ -180,7 +153,7 @@ class BlockManager:
             seq.num_hashed_blocks += 1
 
     def free_blocks(self, block_table: list[int]) -> None:
-        """Return a sequence's blocks; freed blocks keep their tokens for the prefix cache until reused."""
+        """Freed blocks keep their tokens for the prefix cache until reused."""
         for block in reversed(block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

@@ -1,9 +1,5 @@
-"""Stop strings matched as text arrives: one Aho-Corasick automaton over a request's stop strings, so each
-character of output costs the same however many stop strings the request has.
-
-A sequence keeps only its place in the automaton (an int); the automaton is built once per list of stop
-strings and shared by every sequence that has that list.
-"""
+"""Stop strings matched as text arrives by one Aho-Corasick automaton per list of stop strings, shared by the
+sequences that have that list; a sequence keeps only its state (an int)."""
 
 from __future__ import annotations
 
@@ -12,12 +8,8 @@ from collections import deque
 
 
 class StopStrings:
-    """The automaton of a list of stop strings. Each state is a prefix of some stop string (state 0: the
-    empty one); after reading a text, the state is the longest end of the text that is such a prefix.
-
-    Per state: `match`, the length of the longest stop string the text read now ends with (0: none), and
-    `held`, the length of the longest end of the text that may still grow into a stop string (what a
-    stream holds back)."""
+    """A state is a prefix of some stop string (0: empty). Per state: `match`, the longest stop string the text
+    ends with (0: none); `held`, the longest end of the text that may still grow into one (held back)."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._goto: list[dict[str, int]] = [{}]
@@ -46,7 +38,6 @@ class StopStrings:
                 queue.append(child)
 
     def _next(self, state: int, char: str) -> int | None:
-        """The state after `char`, if the prefix of `state` goes on with it."""
         return self._goto[state].get(char)
 
     def _step(self, state: int, char: str) -> int:
@@ -55,9 +46,8 @@ class StopStrings:
         return 0 if following is None else following
 
     def scan(self, state: int, text: str, find: bool = True) -> tuple[int, int | None]:
-        """Read `text` from `state`. With `find`, stop at the first stop string that the text completes:
-        (that state, where in `text` the stop string starts, negative when it began before `text`); else
-        (the state after `text`, None)."""
+        """(state, start in `text` of the first stop string completed, negative if it began before) with
+        `find`; else (the state after `text`, None)."""
         for index, char in enumerate(text):
             state = self._step(state, char)
             if find and self.match[state]:
@@ -67,5 +57,4 @@ class StopStrings:
 
 @functools.lru_cache(maxsize=64)
 def stop_strings(stops: tuple[str, ...]) -> StopStrings:
-    """The automaton of `stops`, built once for the sequences of a request (and of requests alike)."""
     return StopStrings(stops)

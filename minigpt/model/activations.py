@@ -1,7 +1,4 @@
-"""The activation functions a GPT-2 config.json may name, by that name. Imports torch only.
-
-`config.py` validates `activation_function` against these names; `model.py` calls the functions.
-"""
+"""The activation functions a GPT-2 config.json may name, by that name."""
 
 from __future__ import annotations
 
@@ -20,10 +17,7 @@ def _gelu_accurate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation, GPT-2's own `gelu_new`. Eager, torch's fused kernel computes it in one
-    pass instead of six. Compiled, it is written as x * sigmoid(2u), the same function as
-    0.5 x (1 + tanh(u)): inductor's tanh is the slower kernel (3x its sigmoid; the fused MLP kernel of a
-    ~60 ms batch-100 step took 5.4-6.0 -> 2.2-2.4 ms, 2 AVX-512 cores), and both are within 5.2e-7 of float64."""
+    """GPT-2's `gelu_new`; compiled as x * sigmoid(2u), the same function, as inductor's tanh is slower."""
     if torch.compiler.is_compiling():
         return x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x))
     return F.gelu(x, approximate="tanh")

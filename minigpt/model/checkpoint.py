@@ -1,9 +1,4 @@
-"""Write GPT-2 checkpoints with random weights, in the layouts real checkpoints use.
-
-This is how minigpt runs with no network: speed does not depend on weight values, and
-correctness is shown against transformers on the same files. The files are what the hub
-serves: config.json, model.safetensors (HF Conv1D layout, [in, out]), vocab.json, merges.txt.
-"""
+"""GPT-2 checkpoints with random weights, in the layouts and files the hub serves (minigpt with no network)."""
 
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ from minigpt.model.config import GPT2Config
 from minigpt.model.gpt2 import GPT2
 from minigpt.model.weights import CONV1D_WEIGHTS, HUB_FALLBACK_FILES, HUB_FILES, is_layernorm
 
-# n_layer, n_head, n_embd of the published GPT-2 family.
-PRESETS = {
+PRESETS = {  # n_layer, n_head, n_embd
     "distilgpt2": (6, 12, 768),
     "gpt2": (12, 12, 768),
     "gpt2-medium": (24, 16, 1024),
@@ -40,8 +34,7 @@ def preset_config(name: str, **overrides) -> GPT2Config:
 
 
 def random_model(config: GPT2Config, seed: int = 0) -> GPT2:
-    """GPT-2 initialised as transformers does: N(0, 0.02), residual projections scaled by
-    1/sqrt(2 n_layer), zero biases, unit layernorms."""
+    """Initialised as transformers does: N(0, 0.02), residual projections / sqrt(2 n_layer)."""
     torch.manual_seed(seed)
     model = GPT2(config)
     std = 0.02
@@ -58,10 +51,7 @@ def random_model(config: GPT2Config, seed: int = 0) -> GPT2:
 
 
 def hf_state_dict(model: GPT2, layout: str = "hf") -> dict[str, torch.Tensor]:
-    """The model's weights under the checkpoint's key names, Conv1D weights back as [in, out].
-
-    `hf`: transformers' save_pretrained (`transformer.` prefix). `openai`: the original
-    openai-community/gpt2 file (no prefix, with the attention mask buffers it carries)."""
+    """Conv1D weights as [in, out]; `openai`: no `transformer.` prefix, with the mask buffers."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     prefix = "transformer." if layout == "hf" else ""
@@ -89,12 +79,8 @@ def write_checkpoint(
     layout: str = "hf",
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Save `model` as a Hugging Face GPT-2 checkpoint directory that transformers loads too.
-
-    The files are written into a temporary directory beside `path` and moved into place only once all
-    are written: a write that fails leaves `path` as it was. Over an existing checkpoint, every other file
-    a loader would read (other weight files, shards, generation_config.json, tokenizer files) goes, so
-    the directory holds this checkpoint alone; files no loader reads stay."""
+    """Written beside `path`, then moved in (a failed write leaves `path` as it was); other files a loader would
+    read there go."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"

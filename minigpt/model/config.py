@@ -1,9 +1,5 @@
-"""GPT2Config: the fields of a Hugging Face GPT-2 `config.json` that change the math.
-
-Defaults are transformers' own, so a hub config that omits a key (old checkpoints lack the
-`scale_attn_*` / `reorder_*` keys) means what it means to transformers. Anything minigpt cannot
-run faithfully is refused here, with the reason, rather than run wrongly later.
-"""
+"""GPT2Config: the fields of a GPT-2 `config.json` that change the math, with transformers' defaults; what
+minigpt cannot run faithfully is refused here."""
 
 from __future__ import annotations
 
@@ -116,7 +112,6 @@ class GPT2Config:
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
-        """The HF config.json content for this config (used when writing checkpoints)."""
         out: dict[str, Any] = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
         out.update({f.name: getattr(self, f.name) for f in fields(self)})
         out["n_ctx"] = self.n_positions
@@ -124,7 +119,6 @@ class GPT2Config:
 
 
 def _id_tuple(value: Any, what: str) -> tuple[int, ...]:
-    """None, one token id or a list of them, as a tuple."""
     ids = () if value is None else (value,) if isinstance(value, int) else value
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"{what} must be a token id, a list of them or null, got {value!r}")
@@ -132,8 +126,7 @@ def _id_tuple(value: Any, what: str) -> tuple[int, ...]:
 
 
 def eos_token_ids(checkpoint_dir: str | Path, config: GPT2Config) -> tuple[int, ...]:
-    """The ids that end a generation: those of generation_config.json when the checkpoint has one that
-    names them (transformers' `generate` reads that file before config.json), else config.json's."""
+    """generation_config.json's when it names them (as transformers' `generate`), else config.json's."""
     path = Path(checkpoint_dir) / "generation_config.json"
     if path.exists():
         try:

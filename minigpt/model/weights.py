@@ -1,13 +1,5 @@
-"""Find a GPT-2 checkpoint (hub id or local directory) and read its weights into a model's parameters.
-
-Real checkpoints come in several shapes: transformers' `save_pretrained` (keys prefixed
-`transformer.`, maybe sharded), the original `openai-community/gpt2` file (no prefix, extra
-attention buffers, no `lm_head`), and older `pytorch_model.bin` files. All load here, with HF's
-Conv1D weights ([in, out]) transposed once to Linear's [out, in]. The model is built on the
-`meta` device (by `minigpt.model.gpt2.load_model`, which calls this module; this module never imports
-the model) and each tensor is moved straight to its dtype/device, so no second full copy of the
-weights is ever held. No pickle code runs: `.bin` files go through `weights_only=True`.
-"""
+"""A GPT-2 checkpoint found (hub id or local directory) and its weights read into a meta-device model, each
+tensor straight to its dtype and device: both key layouts, HF's Conv1D [in, out] transposed, no pickle code."""
 
 from __future__ import annotations
 
@@ -36,27 +28,23 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-# Files at the repo's root only (fnmatch's * also crosses "/": "*.safetensors" would fetch every
-# checkpoint-*/ folder of a fine-tune): the tokenizer, and the weights in transformers' names.
+# the repo's root only: fnmatch's * crosses "/", and "*.safetensors" would fetch every checkpoint-*/ folder
 HUB_FILES = ["config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.json",
              "added_tokens.json", "tokenizer_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"]
 HUB_FALLBACK_FILES = ["pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json"]
-# What the loader reads, in the order it prefers: transformers' order
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",  # in transformers' order
                 "pytorch_model.bin", "pytorch_model.bin.index.json")
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BLOCK = re.compile(r"h\.(\d+)\.")  # a transformer block's key, without the "transformer." prefix
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
 
-
-# The part of a checkpoint tensor a model holds: (key without "transformer.", a safetensors slice or
-# a tensor) -> tensor
+# (key without "transformer.", a tensor or safetensors slice) -> the part of it a model holds
 Take = Callable[[str, Any], torch.Tensor]
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as it is: missing, corrupt or not matching its config."""
+    """A checkpoint missing, corrupt or not matching its config."""
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -83,12 +71,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
-    """A local checkpoint directory for `name_or_path`, downloading from the hub if needed.
-
-    A path that exists is used as is. Anything else that looks like a hub id ("gpt2",
-    "openai-community/gpt2-medium") goes through `huggingface_hub.snapshot_download`, fetching
-    only config, weights and tokenizer files; it honours HF_HUB_OFFLINE and the local cache.
-    """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -123,8 +105,7 @@ def _download(repo_id: str) -> Path:
 
 
 def check_complete(path: Path) -> None:
-    """Name every part a checkpoint directory lacks to be run (config, weights, tokenizer) at once, and how
-    such a directory is usually made, instead of failing on the first file looked for."""
+    """Names every part a checkpoint directory lacks at once, not the first file looked for."""
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
@@ -144,8 +125,6 @@ def _weight_files_present(path: Path) -> bool:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The files holding the weights, in the order the loader prefers (`WEIGHT_FILES`): safetensors
-    first, as transformers does (a repo that ships both may have been downloaded without its .bin)."""
     for name in WEIGHT_FILES:
         file = path / name
         if not file.exists():
@@ -167,8 +146,6 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def _read_tensors(file: Path, take: Take | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of one weights file, one tensor of a safetensors file in memory at a time;
-    with `take`, the part of each tensor it picks (from safetensors, only that part is read)."""
     if file.suffix == ".safetensors":
         for name, tensor in _mapped_safetensors(file):
             yield name, tensor if take is None else take(name.removeprefix("transformer."), tensor)
@@ -193,12 +170,8 @@ def _read_tensors(file: Path, take: Take | None = None) -> Iterator[tuple[str, t
 
 
 def _mapped_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a safetensors file as a view of the file mapped into memory, to be copied before
-    the next one is asked for: each tensor's pages are handed back as the reader moves on, so reading a
-    file holds one tensor of it, not the whole file, in this process's memory (gpt2-xl: 6.2 GB).
-
-    The format: an 8-byte little-endian header size, a JSON header (each tensor's dtype, shape and byte
-    offsets after the header), the tensors' bytes."""
+    """Each tensor as a view of the mapped file, to be copied before the next is asked for (its pages are then
+    given back: one tensor in memory at a time). Format: u64 LE header size, JSON header, the bytes."""
     try:
         with open(file, "rb") as handle:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: views are writable
@@ -236,28 +209,24 @@ _SAFETENSORS_DTYPES = {
 
 
 def _model_key(name: str) -> str | None:
-    """The GPT2 parameter a checkpoint key maps to, or None for keys to skip."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
     return name.removeprefix("transformer.")
 
 
 def is_layernorm(key: str) -> bool:
-    """Layernorm parameters stay fp32 in every dtype (see model.Block)."""
+    """Layernorm parameters stay fp32 in every dtype."""
     return key.startswith("ln_f.") or ".ln_" in key
 
 
 def _in_layer_order(name: str) -> list[str | int]:
-    """Sort key that puts h.2 before h.10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def load_state_into(
     model: nn.Module, path: Path, dtype: torch.dtype, device: torch.device, take: Take | None = None
 ) -> None:
-    """Fill a meta-device `model` (a `GPT2`: `config`, `wte`, `lm_head`) from the weight files in `path`,
-    strictly: every parameter present with its shape, no key left over. `take(key, source)`: the part
-    of each checkpoint tensor this model holds (a tensor-parallel shard), indexing `source`."""
+    """Fills a meta-device `GPT2` strictly (every parameter, its shape, no key left over); `take` picks a shard."""
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=True)}
     tied = model.config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
@@ -278,14 +247,13 @@ def load_state_into(
                     + (" (after transposing Conv1D)" if key.endswith(CONV1D_WEIGHTS) else "")
                 )
             target = torch.float32 if is_layernorm(key) else dtype
-            # Always a copy: a tensor read from the file may be a view of its memory map, and the model
-            # must not change (or die of SIGBUS) when the file is overwritten after loading.
+            # a copy: a view of the memory map would change (or SIGBUS) when the file is overwritten
             state[key] = tensor.to(device=device, dtype=target, memory_format=torch.contiguous_format, copy=True)
             del tensor
     missing = sorted(set(expected) - set(state), key=_in_layer_order)
     n_layer = model.config.n_layer
     layers = {int(block.group(1)) for key in (*state, *map(_model_key, unexpected)) if (block := _BLOCK.match(key))}
-    # Whole blocks h.0.. of another count, and every other tensor there: say so rather than list keys
+    # whole blocks h.0.. of another count: name the count rather than list keys
     if layers == set(range(len(layers))) and len(layers) not in (0, n_layer) and all(map(_BLOCK.match, missing)):
         found, default = len(layers), GPT2Config().n_layer
         raise CheckpointError(

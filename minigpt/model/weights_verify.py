@@ -1,10 +1,5 @@
-"""`verify_weights=True` (`--verify`): a checkpoint's weight files checked against the SHA-256 the
-Hugging Face hub published for them, as safetensors files carry no checksum of their own.
-
-A hub checkpoint is a snapshot in huggingface_hub's cache, where each large (LFS) file links to a blob
-named by its ETag on the hub, which for an LFS file is the SHA-256 the hub published: the hash to
-expect, known with no network. A local folder's files have none, and verifying one is refused.
-"""
+"""`verify_weights=True`: weight files checked against the SHA-256 the hub published, which names the blob
+each file of huggingface_hub's cache links to (an LFS file's ETag): known with no network."""
 
 from __future__ import annotations
 
@@ -20,9 +15,7 @@ logger = logging.getLogger("minigpt")
 
 
 def published_sha256(file: Path) -> str | None:
-    """The SHA-256 the hub published for `file` of a downloaded snapshot (`snapshots/REV/NAME` links to
-    `blobs/SHA256`), None when `file` is no such link (a local folder's, or a small file's, whose
-    ETag is a git hash)."""
+    """None unless `file` links to `blobs/SHA256` (a small file's ETag is a git hash)."""
     if not file.is_symlink():
         return None
     blob = file.resolve()
@@ -30,8 +23,6 @@ def published_sha256(file: Path) -> str | None:
 
 
 def verify_weights(path: Path, published: Callable[[Path], str | None] = published_sha256) -> None:
-    """Raise `CheckpointError` unless every weight file of the checkpoint in `path` has the SHA-256
-    `published(file)` gives for it."""
     files = weight_files(path)
     for file in files:
         expected = published(file)

@@ -3,8 +3,7 @@
     params.py      SamplingParams, checked and normalised when built
     structured.py  StructuredOutputsParams: the JSON schema, regex, choice or grammar an output obeys
     bitmask.py     token bitmasks (a grammar's allowed tokens) applied to a batch's logits
-    processors.py  the logits processors (logit bias, allowed ids, penalties, min_tokens mask, temperature,
-                   top-k, top-p, min-p)
+    processors.py  the logits processors (bias, allowed ids, penalties, min_tokens, temperature, top-k/p, min-p)
     generator.py   the counter-based random generator: Gumbel noise keyed by (seed, step, id)
     sampler.py     the batched Sampler, the CPU argmax, logprobs
 """

@@ -1,10 +1,5 @@
-"""The seeded generator: Gumbel noise from a counter-based hash of (seed, step, stream, id), and the
-draw it drives.
-
-With no torch generator state, a row's token depends only on its own logits, seed and step (the
-number of tokens it has generated): not on what it is batched with, where it sits in the batch, or
-whether it was recomputed after a preemption.
-"""
+"""Gumbel noise from a counter-based hash of (seed, step, stream, id): a row's draw depends only on its
+logits, seed and step, never on its batch or a recomputation."""
 
 from __future__ import annotations
 
@@ -16,8 +11,7 @@ from torch import Tensor
 
 from minigpt.common.transfer import to_device
 
-# Python ints mix each row's 64-bit key (exact); tensor ops spread it over the ids. Tensor values stay
-# below 2**32 in int64 and every product below 2**63, so nothing relies on signed overflow.
+# tensor values stay below 2**32 in int64 and every product below 2**63: no signed overflow
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -30,7 +24,6 @@ def _splitmix64(x: int) -> int:
 
 
 def row_keys(seeds: Sequence[int], steps: Sequence[int], stream: int = 0) -> list[int]:
-    """One 64-bit key per row from (seed, step, stream): distinct streams give independent noise."""
     return [_splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ step) ^ stream)
             for seed, step in zip(seeds, steps, strict=True)]
 
@@ -41,7 +34,7 @@ def _mul32(x: Tensor, c: int) -> Tensor:
 
 
 def _fmix32(x: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer: a bijection on [0, 2**32); each input bit flips ~half the output."""
+    """MurmurHash3's 32-bit finalizer."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -50,11 +43,7 @@ def _fmix32(x: Tensor) -> Tensor:
 
 
 def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
-    """Standard Gumbel noise, fp64, one value per (row key, id) for int64 ids [rows, m] in [0, 2**32).
-
-    The uniform u = (hash + 1/2) / 2**32 lies strictly inside (0, 1), so the noise is finite; fp64
-    keeps all 32 bits, so only ids over ~26 nats below the best can never win (fp32: ~19).
-    """
+    """fp64 Gumbel noise per (row key, id) for int64 ids [rows, m]; u = (hash + 1/2) / 2**32 is inside (0, 1)."""
     lo = to_device([k & _MASK32 for k in keys], torch.int64, ids.device)[:, None]
     hi = to_device([k >> 32 for k in keys], torch.int64, ids.device)[:, None]
     h = _fmix32((_fmix32(ids ^ lo) + hi) & _MASK32)  # two rounds: every key bit reaches every output bit
@@ -63,13 +52,8 @@ def gumbel_noise(keys: Sequence[int], ids: Tensor) -> Tensor:
 
 
 def gumbel_argmax(x: Tensor, seeds: Sequence[int], steps: Sequence[int]) -> Tensor:
-    """One draw per row from softmax(x), reproducible from (seed, step) alone.
-
-    Gumbel-max in two levels, each exact because softmax factorizes: a block of ~sqrt(vocab) ids by
-    its log-mass, then an id inside it by its logit, so a row hashes ~2 * sqrt(vocab) uniforms, not
-    vocab (int64 multiplies do not vectorize on the CPU). Noise is keyed by block / token id, never by
-    row position; a small logit drift (a recompute after preemption) rarely moves a Gumbel-max winner.
-    """
+    """One draw per row from softmax(x): Gumbel-max over blocks of ~sqrt(vocab) ids by log-mass, then within the
+    block (exact, as softmax factorizes), so a row hashes ~2 sqrt(vocab) uniforms, not vocab."""
     rows, vocab = x.shape
     size = math.isqrt(vocab - 1) + 1  # ids per block
     blocks = -(-vocab // size)

@@ -15,8 +15,6 @@ from minigpt.sampling.params import SamplingParams
 
 
 class SamplingRow(Protocol):
-    """What the sampler needs to know about one running sequence (the engine's Sequence has it)."""
-
     @property
     def params(self) -> SamplingParams: ...
 
@@ -39,8 +37,7 @@ def biased(p: SamplingParams) -> bool:
 
 
 def bias(x: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Each row's logit_bias added to its ids, then every id outside its allowed_token_ids at -inf (out of
-    place); one indexed op per kind for the whole batch. Ids >= vocab (never sampled) are dropped."""
+    """logit_bias added, then ids outside allowed_token_ids at -inf; ids >= vocab dropped; out of place."""
     vocab = x.shape[1]
     added = [{i: b for i, b in (p.logit_bias or {}).items() if i < vocab} for p in params]
     if any(added):
@@ -61,10 +58,7 @@ def tensor_like(values: list, dtype: torch.dtype, like: Tensor) -> Tensor:
 
 
 def penalise(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Repetition penalty over prompt + output ids, then presence/frequency penalties over output ids.
-
-    Rows without a penalty go through with factor 1 / offset 0 and no ids, which leaves them unchanged.
-    """
+    """Repetition penalty over prompt + output ids, then presence/frequency penalties over output ids."""
     batch, vocab = x.shape
     params = [row.params for row in rows]
     if any(p.repetition_penalty != 1 for p in params):
@@ -82,7 +76,6 @@ def penalise(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
 
 
 def _id_counts(ids: list[list[int]], batch: int, vocab: int, like: Tensor) -> Tensor:
-    """[batch, vocab] fp32 count of each id per row; ids >= vocab (never sampled) are dropped."""
     rows, flat = _flat(ids, like)
     flat.clamp_(max=vocab)
     counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=like.device)
@@ -91,18 +84,15 @@ def _id_counts(ids: list[list[int]], batch: int, vocab: int, like: Tensor) -> Te
 
 
 def suppress(x: Tensor, ids: list[list[int]]) -> Tensor:
-    """x with ids[i] of each row i at -inf (out of place)."""
     return x.index_put(_flat(ids, x), torch.full((), -math.inf, device=x.device))
 
 
 def _flat(ids: list[list[int]], like: Tensor) -> tuple[Tensor, Tensor]:
-    """(row index, id) int64 tensors of every id of every row."""
     rows = [i for i, row_ids in enumerate(ids) for _ in row_ids]
     return tensor_like(rows, torch.int64, like), tensor_like([t for row_ids in ids for t in row_ids], torch.int64, like)
 
 
 def warp(x: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Temperature, then top-k, top-p and min-p, each only on the rows that use it."""
     x = x / tensor_like([p.temperature for p in params], torch.float32, x)[:, None]
     x = on_rows(x, [i for i, p in enumerate(params) if p.top_k > 0], _top_k, [p.top_k for p in params])
     x = on_rows(x, [i for i, p in enumerate(params) if p.top_p < 1], _top_p, [p.top_p for p in params])
@@ -110,8 +100,7 @@ def warp(x: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def on_rows(x: Tensor, picked: list[int], transform: Callable[[Tensor, list], Tensor], values: list) -> Tensor:
-    """x with rows `picked` replaced by transform(x[picked], values[picked]); the other rows skip the
-    work (a sort, say). Out of place: x may be the caller's logits."""
+    """x with rows `picked` replaced by transform(x[picked], values[picked]), out of place."""
     if len(picked) == x.shape[0]:
         return transform(x, values)
     if not picked:
@@ -121,20 +110,17 @@ def on_rows(x: Tensor, picked: list[int], transform: Callable[[Tensor, list], Te
 
 
 def _top_k(x: Tensor, top_k: list[int]) -> Tensor:
-    """TopKLogitsWarper per row: keep every logit >= the k-th largest (ties included)."""
+    """Keeps every logit >= the k-th largest (ties included)."""
     k = [min(k, x.shape[1]) for k in top_k]
     kth = x.topk(max(k), dim=-1).values.gather(1, tensor_like(k, torch.int64, x)[:, None] - 1)
     return x.masked_fill(x < kth, -math.inf)
 
 
 def _top_p(x: Tensor, top_p: list[float]) -> Tensor:
-    """TopPLogitsWarper per row (min_tokens_to_keep=1): in ascending order, remove tokens whose
-    cumulative probability is <= 1 - top_p; the most likely token always stays."""
+    """TopPLogitsWarper with min_tokens_to_keep=1."""
     probs = x.softmax(dim=-1)
-    # 1 - top_p rounds to fp32 as transformers' python scalar does.
     threshold = tensor_like([1 - p for p in top_p], torch.float32, x)[:, None]
-    # A token with p <= threshold / vocab goes whatever its rank (everything up to it sums to <= threshold):
-    # only the rest need ordering, and torch's CPU sort is faster on -inf keys. Halved for the cumsum's error.
+    # p <= threshold / vocab goes whatever its rank, so only the rest need sorting (halved for cumsum's error)
     surely_removed = probs <= threshold / (2 * x.shape[1])
     order = x.masked_fill(surely_removed, -math.inf).argsort(dim=-1)
     remove = probs.gather(1, order).cumsum(dim=-1) <= threshold
@@ -143,7 +129,6 @@ def _top_p(x: Tensor, top_p: list[float]) -> Tensor:
 
 
 def _min_p(x: Tensor, min_p: list[float]) -> Tensor:
-    """MinPLogitsWarper per row: drop tokens less likely than min_p times the most likely one."""
     probs = x.softmax(dim=-1)
     scale = tensor_like(min_p, torch.float32, x)[:, None]
     return x.masked_fill(probs < scale * probs.amax(dim=-1, keepdim=True), -math.inf)

