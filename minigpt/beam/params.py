@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from minigpt.sampling.params import _is_real, is_int
+from minigpt.common.errors import ParamError
+from minigpt.sampling.params import is_int, is_real
 
 # Beyond it the candidates a search ranks (beam_width x 2 x beam_width logprobs and ids a step, kept
 # until every beam has its own) take gigabytes
 MAX_BEAM_WIDTH = 1024
 
 
-def _bad(field: str, value: object, expected: str) -> ValueError:
-    return ValueError(f"BeamSearchParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "BeamSearchParams")
 
 
 @dataclass
@@ -40,7 +41,7 @@ class BeamSearchParams:
             setattr(self, name, int(value))
         if self.beam_width > MAX_BEAM_WIDTH:
             raise _bad("beam_width", self.beam_width, f"at most {MAX_BEAM_WIDTH}")
-        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+        if not is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise _bad("length_penalty", self.length_penalty, "a finite number")
         self.length_penalty = float(self.length_penalty)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from minigpt.common.errors import Named, ParamError
 from minigpt.model.weights import CheckpointError, weight_files
 
 logger = logging.getLogger("minigpt")
@@ -29,6 +30,10 @@ def published_sha256(file: Path) -> str | None:
     return blob.name if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
 
 
+class UnpublishedWeights(ParamError, CheckpointError):
+    pass
+
+
 def verify_weights(path: Path, published: Callable[[Path], str | None] = published_sha256) -> None:
     """Raise `CheckpointError` unless every weight file of the checkpoint in `path` has the SHA-256
     `published(file)` gives for it."""
@@ -36,8 +41,8 @@ def verify_weights(path: Path, published: Callable[[Path], str | None] = publish
     for file in files:
         expected = published(file)
         if expected is None:
-            raise CheckpointError(f"verify_weights=True: no published SHA-256 is known for {file} (only a "
-                                  "hub download has one): run without it")
+            raise UnpublishedWeights("", "verify_weights", (Named("verify_weights", True), ": no published SHA-256 is "
+                                     f"known for {file} (only a hub download has one): run without it"))
         digest = hashlib.sha256()
         with open(file, "rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):

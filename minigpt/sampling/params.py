@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.common.errors import Named, ParamError
 from minigpt.sampling.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, per token (OpenAI's limit)
@@ -18,12 +20,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _bad(field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"SamplingParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "SamplingParams")
 
 
 @dataclass
@@ -69,7 +70,8 @@ class SamplingParams:
         self.n = self._int("n", self.n, 1)
         self.min_tokens = self._int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
-            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+            raise ParamError("SamplingParams", "min_tokens", (" must be <= ", Named("max_tokens"),
+                                                              f" ({self.max_tokens}), got {self.min_tokens!r}"))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -119,7 +121,7 @@ class SamplingParams:
 
     @staticmethod
     def _real(field: str, value: Any, ok: Callable[[float], bool], expected: str) -> float:
-        if not _is_real(value) or not math.isfinite(value) or not ok(value):
+        if not is_real(value) or not math.isfinite(value) or not ok(value):
             raise _bad(field, value, f"a finite number {expected}")
         return float(value)
 
@@ -146,7 +148,7 @@ class SamplingParams:
         if bias is None:
             return None
         if not isinstance(bias, Mapping) or not all(
-            is_int(i) and i >= 0 and _is_real(b) and math.isfinite(b) for i, b in bias.items()
+            is_int(i) and i >= 0 and is_real(b) and math.isfinite(b) for i, b in bias.items()
         ):
             raise _bad("logit_bias", bias, "a dict of non-negative int token ids to finite numbers")
         return {int(i): float(b) for i, b in bias.items()} or None

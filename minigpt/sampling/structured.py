@@ -3,15 +3,17 @@ object, a regex, a choice among strings, or a Lark grammar), checked and normali
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.common.errors import ParamError
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _bad(field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"StructuredOutputsParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "StructuredOutputsParams")
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,8 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}, got "
-                             f"{', '.join(given) if given else 'none'}")
+            raise ParamError("StructuredOutputsParams", "", f"takes exactly one of {', '.join(KINDS)}, got "
+                                                            f"{', '.join(given) if given else 'none'}")
         if not isinstance(self.json_object, bool):
             raise _bad("json_object", self.json_object, "a bool")
         if self.json is not None:
