@@ -142,7 +142,7 @@ def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
      "--compile with --tensor-parallel-size=2 is not supported"),
     (ParamError("", "num_threads", "must be a positive integer, got 0\nmore"),
      "--threads must be a positive integer, got 0"),
-    (ParamError("SamplingParams", "max_tokens", ("prompt of 3 tokens + ", Named("max_tokens", 500), " exceeds\nmore")),
+    (ParamError("", "prompt", (Named("prompt"), " of 3 tokens + ", Named("max_tokens", 500), " exceeds\nmore")),
      "prompt of 3 tokens + --max-new-tokens=500 exceeds"),
     (ValueError("unknown dtype 'float8'\nmore"), "unknown dtype 'float8'"),  # a field named, not set: left as it is
 ])

@@ -59,7 +59,7 @@ class ParamError(ValueError):
 # The engine's request checks still raise plain text naming a field ("SamplingParams.stop has ...",
 # "prompt of 3 tokens + max_tokens=500 exceeds ..."); until they raise ParamError, this reads one back.
 _OWNED = re.compile(r"(SamplingParams|BeamSearchParams|StructuredOutputsParams)\.(\w+) (.*)", re.S)
-_CONTEXT = re.compile(r"(prompt of \d+ tokens \+ )max_tokens=(\d+)(.*)", re.S)
+_CONTEXT = re.compile(r"prompt( of \d+ tokens \+ )max_tokens=(\d+)(.*)", re.S)
 
 
 def as_param_error(err: Exception) -> Exception:
@@ -68,6 +68,5 @@ def as_param_error(err: Exception) -> Exception:
     if owned := _OWNED.match(str(err)):
         return ParamError(owned[1], owned[2], owned[3])
     if context := _CONTEXT.match(str(err)):
-        return ParamError("SamplingParams", "max_tokens",
-                          (context[1], Named("max_tokens", int(context[2])), context[3]))
+        return ParamError("", "prompt", (Named("prompt"), context[1], Named("max_tokens", int(context[2])), context[3]))
     return err

@@ -1,9 +1,5 @@
-"""vLLM's tokenizer endpoints: POST /tokenize, POST /detokenize, GET /tokenizer_info.
-
-lm-evaluation-harness's `local-completions` calls them (its RemoteTokenizer) to count and cut prompts
-with the server's own tokenizer; it picks that over loading a Hugging Face tokenizer by the model's name
-when /tokenizer_info answers with an `eos_token` and /tokenize with a list of `tokens`.
-"""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info, which lm-eval's RemoteTokenizer calls to count and cut
+prompts with the server's own tokenizer."""
 
 from __future__ import annotations
 
@@ -11,9 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minigpt.server.chat import ChatMessage, render_messages
-from minigpt.server.chat_template import ChatTemplate
+from minigpt.server.chat_template import ChatTemplate, render_messages
 from minigpt.server.errors import check_model, invalid
+from minigpt.server.protocol import ChatMessage
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 
