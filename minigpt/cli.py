@@ -1,11 +1,5 @@
-"""The command lines: their shared parser pieces (one-line errors, engine flags generated from EngineConfig,
-fields named by their flags) and the console command `minigpt COMMAND ...`, one command per front end:
-
-    minigpt generate --model gpt2 --prompt "Hello"      the same as python -m minigpt.generate ...
-    minigpt serve --model gpt2 --port 8000              python -m minigpt.serve ...
-    minigpt precompile --model gpt2 --quantize w8a8     python -m minigpt.precompile ...
-    minigpt batch --model gpt2 -i in.jsonl -o out.jsonl python -m minigpt.batch ...
-"""
+"""The command lines' shared pieces (one-line errors, engine flags generated from EngineConfig, fields named by
+their flags) and the console command `minigpt generate | serve | precompile | batch ...`."""
 
 from __future__ import annotations
 
@@ -28,16 +22,12 @@ COMMANDS = {
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
     "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
 }
-# What an engine refuses to start or run with, reported in one line with exit code 2: bad arguments, a missing
-# or broken checkpoint, a KV pool larger than memory, a compile that failed.
+# what a command reports in one line with exit code 2: bad arguments or checkpoint, no memory, a failed compile
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A flag argparse refuses is one line on stderr, like every other error."""
-
     def error_line(self, message: str) -> str:
-        """`minigpt.generate: error: MESSAGE` (`minigpt generate: error: ...` for the console command)."""
         return f"{self.prog.removeprefix('python -m ')}: error: {message}"
 
     def error(self, message: str) -> NoReturn:
@@ -50,7 +40,6 @@ def _flag(setting: Field) -> str | None:
 
 
 def engine_flags() -> dict[str, str]:
-    """EngineConfig field -> its flag, for the fields that have one."""
     return {setting.name: flag for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None}
 
 
@@ -78,13 +67,11 @@ def _json_object(text: str) -> dict:
 
 
 def engine_args_from(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
     return {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in engine_flags().items()}
 
 
 def flag_error_line(err: BaseException, flags: Mapping[str, str] | None = None) -> str:
-    """`error_line(err)` with the fields it names worded by their flags: the engine's, and `flags` (field ->
-    flag) a command adds; a switch set True is the switch itself."""
+    """`error_line(err)`, its fields named by their flags (the engine's and `flags`, field -> flag)."""
     err = as_param_error(err)
     if not isinstance(err, ParamError):
         return error_line(err)
@@ -94,7 +81,7 @@ def flag_error_line(err: BaseException, flags: Mapping[str, str] | None = None) 
         flag = names.get(named.field)
         if flag is None:
             return err.api(named)
-        return flag if named.value is ... or named.value is True else f"{flag}={named.value!r}"
+        return flag if named.value is ... or named.value is True else f"{flag}={named.value!r}"  # a switch: itself
 
     return error_line(ValueError(err.worded(word)))
 
@@ -110,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A command is its module's `main(argv, prog)`: the `python -m` form's flags, help, errors and exit codes."""
     argv = sys.argv[1:] if argv is None else argv
     name = build_parser().parse_args(argv[:1]).command  # --help, --version, or no command or an unknown one: exits
     return importlib.import_module(COMMANDS[name][0]).main(argv[1:], prog=f"minigpt {name}")

@@ -101,8 +101,7 @@ def beam_as_json(out: BeamSearchOutput) -> str:
 
 
 def beam_params(args: argparse.Namespace) -> BeamSearchParams:
-    """The beam flags as BeamSearchParams; sampling flags other than --max-new-tokens and --ignore-eos
-    are refused with them."""
+    """The beam flags as BeamSearchParams; other sampling flags than --max-new-tokens and --ignore-eos refused."""
     parser = build_parser()
     for dest in SAMPLING_FLAGS:
         if dest not in ("max_new_tokens", "ignore_eos") and getattr(args, dest) != parser.get_default(dest):
@@ -118,7 +117,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def flag_names() -> dict[str, str]:
-    """The params' field each flag sets -> the flag (SamplingParams' and BeamSearchParams' max_tokens alike)."""
     dests = {field: dest for dest, field in SAMPLING_FLAGS.items()}
     dests.update({name: name for name in ("beam_width", "length_penalty", "early_stopping")})
     return {field: f"--{dest.replace('_', '-')}" for field, dest in dests.items()}
@@ -149,8 +147,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int] | None):
-    """complete(), with a refused "prompt i: ..." named by the line of the file it came from (no prefix for
-    the one --prompt)."""
+    """complete(), a refused "prompt i: ..." named by its line of the file (no prefix for the one --prompt)."""
     try:
         return complete()
     except ValueError as err:

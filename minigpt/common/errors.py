@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 
 class Named(NamedTuple):
-    """A field named in a problem's text: `field`, or with a `value` the setting `field=value`."""
+    """A field named in a problem's text; with a `value`, the setting `field=value`."""
 
     field: str
     value: Any = ...
@@ -19,9 +19,8 @@ class Named(NamedTuple):
 
 
 class ParamError(ValueError):
-    """`owner.field problem`. `problem` is text, or text and `Named` fields concatenated; when it names `field`
-    itself nothing goes before it. An empty `owner` (EngineConfig's keywords) leaves the field bare; an empty
-    `field` is the owner as a whole."""
+    """`owner.field problem`; `problem` is text, or text and `Named` fields (naming `field` itself: nothing goes
+    before it). An empty `owner` leaves the field bare; an empty `field` is the owner as a whole."""
 
     def __init__(self, owner: str, field: str, problem: str | tuple[str | Named, ...]) -> None:
         self.owner, self.field, self.problem = owner, field, problem
@@ -32,7 +31,6 @@ class ParamError(ValueError):
         return cls(owner, field, f"must be {expected}, got {value!r}")
 
     def api(self, named: Named) -> str:
-        """The Python API's words: `owner.field` for the field itself, else `field` or `field=value`."""
         return ".".join(filter(None, (self.owner, named.field))) if named == (self.field, ...) else named.api()
 
     def worded(self, name: Callable[[Named], str] | str) -> str:
@@ -49,7 +47,6 @@ class ParamError(ValueError):
         return (Named(self.field), *parts)
 
     def at(self, where: str) -> ParamError:
-        """This error with `where` ("prompt 2: ") before it."""
         return type(self)(self.owner, self.field, (where, *self.parts()))
 
     def __reduce__(self) -> tuple:

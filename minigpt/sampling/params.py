@@ -29,19 +29,11 @@ _bad = functools.partial(ParamError.must_be, "SamplingParams")
 
 @dataclass
 class SamplingParams:
-    """How to pick the tokens of one request; checked at construction and again at submission, where the
-    engine takes its own copy: a field changed later can neither skip the checks nor alter a running request.
-
-    temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
-    overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
-    (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
-    generated / prompt token (0: only the token's own logprob). `max_tokens=0` with `prompt_logprobs`
-    scores the prompt and generates nothing. `logit_bias` {token id: bias} is added to
-    those ids' logits and `allowed_token_ids` restricts the choice to its ids, both before any penalty;
-    normalised to a dict (None when empty) and a tuple. `structured_outputs` constrains the output to a
-    JSON schema, a regex, a choice or a grammar (StructuredOutputsParams); it takes neither min_tokens nor
-    allowed_token_ids, which could leave no token the grammar allows.
-    """
+    """Checked when built and again on submission, where the engine takes its own copy. temperature below 1e-5
+    is greedy (dividing by less overflows float32); top_k=0 is off. `logprobs` / `prompt_logprobs`: top
+    alternatives per generated / prompt token (0: the token's own only); `max_tokens=0` with `prompt_logprobs`
+    scores the prompt. `logit_bias` and `allowed_token_ids` act before any penalty. `structured_outputs` takes
+    neither min_tokens nor allowed_token_ids, which could leave no token the grammar allows."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -110,7 +102,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Greedy requests take the argmax and never consume randomness."""
         return self.temperature < GREEDY_BELOW
 
     @staticmethod
@@ -144,7 +135,7 @@ class SamplingParams:
 
     @staticmethod
     def _logit_bias(bias: Any) -> dict[int, float] | None:
-        """A new dict each time: the caller's can change without reaching a submitted request."""
+        # a new dict each time: the caller's may change without reaching a submitted request
         if bias is None:
             return None
         if not isinstance(bias, Mapping) or not all(

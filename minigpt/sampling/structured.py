@@ -1,5 +1,4 @@
-"""StructuredOutputsParams: the one constraint a request's output must satisfy (a JSON schema, any JSON
-object, a regex, a choice among strings, or a Lark grammar), checked and normalised when built."""
+"""StructuredOutputsParams: the one constraint a request's output must satisfy, checked when built."""
 
 from __future__ import annotations
 
@@ -18,14 +17,8 @@ _bad = functools.partial(ParamError.must_be, "StructuredOutputsParams")
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of: `json` a JSON schema (a dict, or its JSON text), `regex` a regular expression the
-    whole output matches, `choice` a list of strings the output is one of, `grammar` a Lark grammar
-    (llguidance's dialect: `start: ...`, regexes as /.../, and %json for embedded JSON schemas), or
-    `json_object=True` any JSON object. JSON is generated compact: no whitespace between tokens.
-
-    `json` is normalised to its dict and `choice` to a tuple; `key` names the constraint for the
-    compiled-grammar cache.
-    """
+    """Exactly one of: `json` a JSON schema (a dict or its text), `regex` the whole output matches, `choice` among
+    strings, `grammar` in llguidance's Lark dialect, or `json_object=True`. JSON is generated compact."""
 
     json: dict | str | None = None
     regex: str | None = None

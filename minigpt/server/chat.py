@@ -25,8 +25,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
 class ChatCompletionRequest(SamplingFields):
-    """OpenAI's chat completions body with vLLM's extensions."""
-
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
@@ -37,8 +35,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
 
     def completion(self, prompt: list[int], context: int) -> CompletionRequest:
-        """The completions request this chat request amounts to, for the prompt's token ids and the model's
-        context of `context` tokens."""
+        """The completions request this one amounts to, for the prompt's ids and a context of `context` tokens."""
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -55,14 +52,12 @@ class ChatCompletionRequest(SamplingFields):
 
 def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer,
               context: int) -> EnginePlan:
-    """The engine request a chat body asks for, its messages rendered by `template` and tokenized, for a model
-    of `context` positions; a 400 for a body the engine cannot run."""
+    """The engine request a chat body asks for; a 400 for a body the engine cannot run."""
     text = render_messages(template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
     if not prompt:
         raise invalid("the chat template rendered the messages as an empty prompt", "messages")
     completion = body.completion(prompt, context)
-    # the request's name for what completions call max_tokens
     renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
     params = completion.sampling_params(renames)
     completion.prompts()  # the request-size checks of /v1/completions
@@ -71,7 +66,6 @@ def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokeni
 
 def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokenizer, model: str,
               response_id: str) -> dict:
-    """The /v1/chat/completions answer to `body` from its engine output."""
     top = body.top_logprobs or 0
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
@@ -80,8 +74,6 @@ def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokeni
 
 
 class ChatServer:
-    """/v1/chat/completions over the completions server's engine, with `template` (None: every call is a 400)."""
-
     def __init__(self, completions: CompletionServer, template: ChatTemplate | None) -> None:
         self.completions = completions
         self.template = template
@@ -101,7 +93,6 @@ class ChatServer:
         return chat_body(body, outputs[0], server.llm.tokenizer, server.model_name, chat_completion_id())
 
     def _stream(self, handles: list[RequestHandle], n: int, top: int, include_usage: bool) -> Response:
-        """Each choice's role first, then its content deltas with their logprobs, the last with its finish_reason."""
         tokenizer = self.completions.llm.tokenizer
 
         def chunk(_: int, delta: StreamDelta) -> dict | None:

@@ -25,8 +25,6 @@ class ChatTemplateError(ValueError):
 
 
 class ChatTemplate:
-    """A compiled chat template and the special-token variables it renders with."""
-
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         self.source = source
         self.special_tokens = dict(GPT2_SPECIAL_TOKENS if special_tokens is None else special_tokens)
@@ -76,8 +74,7 @@ class ChatTemplate:
 
 def render_messages(template: ChatTemplate | None, messages: list[ChatMessage], add_generation_prompt: bool,
                     chat_template_kwargs: dict[str, Any] | None) -> str:
-    """The prompt text `template` makes of `messages`; a 400 naming `messages` without a template or when
-    rendering fails."""
+    """The prompt text `template` makes of `messages`; a 400 naming `messages` when it cannot."""
     if template is None:
         raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
     try:

@@ -51,8 +51,7 @@ class CompletionServer:
         return completion_body(body, plan, outputs, self.llm.tokenizer, self.model_name, completion_id())
 
     async def submit(self, plan: EnginePlan) -> list[RequestHandle]:
-        """`submit_plan` in a worker thread, off the event loop; requests made for a client that left meanwhile
-        are cancelled."""
+        """`submit_plan` off the event loop; the requests of a client that left meanwhile are cancelled."""
         made = asyncio.get_running_loop().run_in_executor(None, submit_plan, self.llm, plan)
         try:
             return await asyncio.shield(made)
@@ -61,8 +60,7 @@ class CompletionServer:
             raise
 
     async def outputs(self, request: Request, handles: list[RequestHandle]) -> list[RequestOutput] | None:
-        """The requests' outputs, or None (the requests cancelled) when the client leaves first; a 500 for a
-        request the engine failed."""
+        """The requests' outputs; None (the requests cancelled) when the client leaves first; a 500 for a failure."""
         try:
             outputs = await unless_disconnected(request, asyncio.gather(*(h.wait() for h in handles)))
         finally:

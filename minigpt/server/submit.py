@@ -11,8 +11,7 @@ from minigpt.serving.request_handle import RequestHandle
 
 
 def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
-    """One engine request per prompt, all or none. Tokenizes and may compile a grammar (up to seconds): callers
-    on an event loop run it in a worker thread."""
+    """One engine request per prompt, all or none; may compile a grammar: run it off the event loop."""
     prompts, params = plan.prompts, plan.params
     handles: list[RequestHandle] = []
     if len(prompts) > llm.config.max_waiting:  # a 503 would tell the client to retry in vain

@@ -46,8 +46,6 @@ class DetokenizeRequest(BaseModel):
 
 
 class Tokenization:
-    """The three endpoints over one tokenizer, serving `model_name` with a context of `max_model_len`;
-    `template` renders the chat form of /tokenize (without one, that form is a 400)."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  template: ChatTemplate | None = None) -> None:
@@ -77,8 +75,7 @@ class Tokenization:
             raise invalid(str(err), "tokens") from None
 
     def tokenizer_info(self) -> dict:
-        """vLLM answers with the tokenizer's tokenizer_config.json fields and its class; these are
-        transformers' for GPT-2 (<|endoftext|> is BOS, EOS and UNK; no padding token)."""
+        """vLLM's answer: the tokenizer_config.json fields transformers has for GPT-2."""
         tok = self.tokenizer
         eos = tok.token_text(tok.eos_token_id)
         return {
