@@ -36,8 +36,7 @@ class ParamError(ValueError):
     def worded(self, name: Callable[[Named], str] | str) -> str:
         """The message with each field worded by `name` (a str: the name of `field`, other fields as they are)."""
         if isinstance(name, str):
-            given = name
-            name = lambda named: given if named.field == self.field else named.api()  # noqa: E731
+            return self.worded(lambda named, given=name: given if named.field == self.field else named.api())
         return "".join(name(part) if isinstance(part, Named) else part for part in self.parts())
 
     def parts(self) -> tuple[str | Named, ...]:
