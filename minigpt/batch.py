@@ -24,8 +24,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.progress import PREFIX, log_to_stderr
-from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.serve import MISSING_EXTRA, served_name
 

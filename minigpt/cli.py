@@ -1,22 +1,19 @@
-"""`minigpt COMMAND ...`: the console command the package installs, one command per front end.
-
-    minigpt generate --model gpt2 --prompt "Hello"      the same as python -m minigpt.generate ...
-    minigpt serve --model gpt2 --port 8000              python -m minigpt.serve ...
-    minigpt precompile --model gpt2 --quantize w8a8     python -m minigpt.precompile ...
-    minigpt batch --model gpt2 -i in.jsonl -o out.jsonl python -m minigpt.batch ...
-
-A command is its module's `main(argv, prog)`: the same flags, help, errors and exit codes as the `python -m`
-form, its program named `minigpt COMMAND`.
-"""
+"""The command lines' shared pieces (one-line errors, engine flags generated from EngineConfig, fields named by
+their flags) and the console command `minigpt generate | serve | precompile | batch ...`."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
+from collections.abc import Mapping
+from dataclasses import Field, fields
+from typing import NoReturn
 
+from minigpt.common.errors import Named, ParamError, as_param_error
 from minigpt.common.version import __version__
-from minigpt.engine.config import OneLineParser
+from minigpt.engine.config import EngineConfig, error_line
 
 # name: (module whose main(argv, prog) runs it, its line in `minigpt --help`)
 COMMANDS = {
@@ -25,6 +22,68 @@ COMMANDS = {
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
     "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
 }
+# what a command reports in one line with exit code 2: bad arguments or checkpoint, no memory, a failed compile
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error_line(self, message: str) -> str:
+        return f"{self.prog.removeprefix('python -m ')}: error: {message}"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, self.error_line(message) + " (see --help)\n")
+
+
+def _flag(setting: Field) -> str | None:
+    flag = setting.metadata["flag"]
+    return "--" + setting.name.replace("_", "-") if flag == "" else flag
+
+
+def engine_flags() -> dict[str, str]:
+    return {setting.name: flag for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    for setting in fields(EngineConfig):
+        flag, meta = _flag(setting), setting.metadata
+        if flag is None:
+            continue
+        if setting.type == "bool":  # (annotations are strings here) a switch, off by default
+            engine.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "dict": _json_object}.get(setting.type.split(" ")[0])  # None: the string as it is
+        engine.add_argument(flag, type=kind, default=setting.default, choices=meta["choices"], help=meta["help"])
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def engine_args_from(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in engine_flags().items()}
+
+
+def flag_error_line(err: BaseException, flags: Mapping[str, str] | None = None) -> str:
+    """`error_line(err)`, its fields named by their flags (the engine's and `flags`, field -> flag)."""
+    err = as_param_error(err)
+    if not isinstance(err, ParamError):
+        return error_line(err)
+    names = engine_flags() | dict(flags or {})
+
+    def word(named: Named) -> str:
+        flag = names.get(named.field)
+        if flag is None:
+            return err.api(named)
+        return flag if named.value is ... or named.value is True else f"{flag}={named.value!r}"  # a switch: itself
+
+    return error_line(ValueError(err.worded(word)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,15 +1,4 @@
-"""`python -m minigpt.generate`: complete prompts from the command line.
-
-    python -m minigpt.generate --model gpt2 --prompt "Hello" --max-new-tokens 64
-    python -m minigpt.generate --model ./ckpt --prompts-file prompts.txt --json
-    python -m minigpt.generate --model gpt2 --prompt "Hello" --beam-width 4
-
-One prompt streams its text to stdout as it is generated. `--prompts-file` (one prompt per
-line, `-` for stdin) runs all prompts continuously batched and prints each completion, or one
-JSON object per line with `--json`. `--beam-width K` beam searches instead of sampling and prints
-each prompt's best hypothesis (all K, best first, with `--json`). Bad input ends with one line on
-stderr and exit code 2.
-"""
+"""`python -m minigpt.generate`: one --prompt streamed, a --prompts-file batched, or either beam searched."""
 
 from __future__ import annotations
 
@@ -22,16 +11,16 @@ import signal
 import sys
 
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
+from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.errors import ParamError, as_param_error
 from minigpt.common.progress import log_to_stderr
-from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.engine.request import RequestOutput
 from minigpt.llm import LLM
 from minigpt.sampling import SamplingParams
 
 PROG = "python -m minigpt.generate"  # the console command passes its own: "minigpt generate"
 
-# The SamplingParams field each sampling flag sets (by the flag's dest): builds the params and names
-# the flag, not the field, when a value is refused
+# the SamplingParams field each sampling flag sets, by the flag's dest
 SAMPLING_FLAGS = {
     "max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
     "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
@@ -112,8 +101,7 @@ def beam_as_json(out: BeamSearchOutput) -> str:
 
 
 def beam_params(args: argparse.Namespace) -> BeamSearchParams:
-    """The beam flags as BeamSearchParams; sampling flags other than --max-new-tokens and --ignore-eos
-    are refused with them."""
+    """The beam flags as BeamSearchParams; other sampling flags than --max-new-tokens and --ignore-eos refused."""
     parser = build_parser()
     for dest in SAMPLING_FLAGS:
         if dest not in ("max_new_tokens", "ignore_eos") and getattr(args, dest) != parser.get_default(dest):
@@ -129,12 +117,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def flag_names() -> dict[str, str]:
-    """The params' fields the flags set -> the flags, for errors: "max_tokens", "SamplingParams.max_tokens"
-    and "BeamSearchParams.max_tokens" are all --max-new-tokens."""
-    fields = {field: dest for dest, field in SAMPLING_FLAGS.items()}
-    fields.update({name: name for name in ("beam_width", "length_penalty", "early_stopping")})
-    return {name: f"--{dest.replace('_', '-')}" for field, dest in fields.items()
-            for name in (field, f"SamplingParams.{field}", f"BeamSearchParams.{field}")}
+    dests = {field: dest for dest, field in SAMPLING_FLAGS.items()}
+    dests.update({name: name for name in ("beam_width", "length_penalty", "early_stopping")})
+    return {field: f"--{dest.replace('_', '-')}" for field, dest in dests.items()}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -162,18 +147,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int] | None):
-    """complete(), with a refused "prompt i: ..." named by the line of the file it came from (no prefix for
-    the one --prompt)."""
+    """complete(), a refused "prompt i: ..." named by its line of the file (no prefix for the one --prompt)."""
     try:
         return complete()
     except ValueError as err:
         refused = re.match(r"prompt (\d+): ", str(err))
         if refused is None:
             raise
-        if line_numbers is None:  # the one --prompt
-            raise ValueError(str(err)[refused.end() :]) from None
-        where = f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
-        raise ValueError(where + str(err)[refused.end() :]) from None
+        cause = as_param_error(ValueError(str(err)[refused.end() :]))
+        where = "" if line_numbers is None else f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
+        raise cause.at(where) if isinstance(cause, ParamError) else ValueError(where + str(cause)) from None
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

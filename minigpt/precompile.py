@@ -15,8 +15,8 @@ import logging
 import sys
 import time
 
+from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.progress import log_to_stderr
-from minigpt.engine.config import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.llm import LLM
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from minigpt import LLM, SamplingParams
+from minigpt.common.errors import Named, ParamError
 from minigpt.generate import main
 
 
@@ -135,14 +136,17 @@ def test_flags_argparse_refuses_are_one_line_too(capsys, args, message):
     assert err[0].endswith("(see --help)")
 
 
-@pytest.mark.parametrize(("message", "says"), [
-    ("compile=True with tensor_parallel_size=2 is not supported",
+@pytest.mark.parametrize(("error", "says"), [
+    (ParamError("", "compile", (Named("compile", True), " with ", Named("tensor_parallel_size", 2),
+                                " is not supported\nmore")),
      "--compile with --tensor-parallel-size=2 is not supported"),
-    ("num_threads must be a positive integer, got 0", "--threads must be a positive integer, got 0"),
-    ("prompt of 3 tokens + max_tokens=500 exceeds", "prompt of 3 tokens + --max-new-tokens=500 exceeds"),
-    ("unknown dtype 'float8'", "unknown dtype 'float8'"),  # a field named, not set: left as it is
+    (ParamError("", "num_threads", "must be a positive integer, got 0\nmore"),
+     "--threads must be a positive integer, got 0"),
+    (ParamError("", "prompt", (Named("prompt"), " of 3 tokens + ", Named("max_tokens", 500), " exceeds\nmore")),
+     "prompt of 3 tokens + --max-new-tokens=500 exceeds"),
+    (ValueError("unknown dtype 'float8'\nmore"), "unknown dtype 'float8'"),  # a field named, not set: left as it is
 ])
-def test_errors_name_the_flags_a_command_line_took(message, says):
-    from minigpt.engine.config import flag_error_line
+def test_errors_name_the_flags_a_command_line_took(error, says):
+    from minigpt.cli import flag_error_line
 
-    assert flag_error_line(ValueError(message + "\nmore"), {"max_tokens": "--max-new-tokens"}) == says
+    assert flag_error_line(error, {"max_tokens": "--max-new-tokens"}) == says

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.engine.config import EngineConfig, add_engine_arguments, engine_args_from
+from minigpt.cli import add_engine_arguments, engine_args_from
+from minigpt.engine.config import EngineConfig
 from minigpt.engine.cuda_graphs import DecodeGraphs, capture_sizes
 
 from conftest import assert_all_free, hf_greedy, hf_model, needs_cuda, random_prompts

@@ -578,7 +578,7 @@ def test_cli_without_the_server_extra(monkeypatch, capsys):
 
 def test_cli_flags_cover_the_engine():
     from minigpt import serve
-    from minigpt.engine.config import engine_args_from
+    from minigpt.cli import engine_args_from
 
     args = serve.build_parser().parse_args(
         ["--model", "m", "--max-waiting", "3", "--kv-cache-tokens", "256", "--kv-cache-dtype", "bfloat16"]

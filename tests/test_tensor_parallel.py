@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from minigpt import LLM, AsyncLLM, BeamSearchParams, SamplingParams
-from minigpt.engine.config import EngineConfig, add_engine_arguments, engine_args_from
+from minigpt.cli import add_engine_arguments, engine_args_from
+from minigpt.engine.config import EngineConfig
 from minigpt.model.gpt2 import load_model
 from minigpt.tensor_parallel.shard import Shard
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from minigpt import LLM
-from minigpt.engine.config import add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.cli import add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.model.weights import CheckpointError
 from minigpt.model.weights_verify import published_sha256, verify_weights
 

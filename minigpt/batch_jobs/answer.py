@@ -14,7 +14,7 @@ import pydantic
 from fastapi.exceptions import RequestValidationError
 
 from minigpt.batch_jobs.window import Window
-from minigpt.server import protocol
+from minigpt.server import protocol, responses
 from minigpt.server.chat import ChatCompletionRequest, chat_body, chat_plan
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, invalid, validation_error
@@ -108,7 +108,7 @@ class Answerer:
         if isinstance(body, CompletionRequest):
             plan = protocol.completion_plan(body)
             outputs = await self._run(plan)
-            return protocol.completion_body(body, plan, outputs, tokenizer, self.model_name, f"cmpl-{key:032x}")
+            return responses.completion_body(body, plan, outputs, tokenizer, self.model_name, f"cmpl-{key:032x}")
         plan = chat_plan(body, self.template, tokenizer, self.llm.engine.model_config.n_positions)
         outputs = await self._run(plan)
         return chat_body(body, outputs[0], tokenizer, self.model_name, f"chatcmpl-{key:032x}")

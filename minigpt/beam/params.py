@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from minigpt.sampling.params import _is_real, is_int
+from minigpt.common.errors import ParamError
+from minigpt.sampling.params import is_int, is_real
 
-# Beyond it the candidates a search ranks (beam_width x 2 x beam_width logprobs and ids a step, kept
-# until every beam has its own) take gigabytes
-MAX_BEAM_WIDTH = 1024
+MAX_BEAM_WIDTH = 1024  # beyond it a step's candidates (2 x beam_width ** 2) take gigabytes
 
 
-def _bad(field: str, value: object, expected: str) -> ValueError:
-    return ValueError(f"BeamSearchParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "BeamSearchParams")
 
 
 @dataclass
 class BeamSearchParams:
-    """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False, ...)` runs it.
-
-    A finished hypothesis is ranked by its cumulative logprob / (generated tokens ** length_penalty)
-    (a final EOS counts). `early_stopping`: True stops once beam_width hypotheses are finished; False
-    stops when the best live beam, at its current length, cannot beat the worst finished one;
-    "never" also assumes a positive length_penalty would let it grow to max_tokens.
-    """
+    """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False)` runs it: hypotheses rank by
+    cumulative logprob / generated tokens ** length_penalty; `early_stopping` as transformers reads it."""
 
     beam_width: int = 4
     max_tokens: int = 64
@@ -40,7 +34,7 @@ class BeamSearchParams:
             setattr(self, name, int(value))
         if self.beam_width > MAX_BEAM_WIDTH:
             raise _bad("beam_width", self.beam_width, f"at most {MAX_BEAM_WIDTH}")
-        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+        if not is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise _bad("length_penalty", self.length_penalty, "a finite number")
         self.length_penalty = float(self.length_penalty)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

@@ -1,17 +1,68 @@
-"""ParamError: a value refused, carrying the field it belongs to, so each front end names the field in its own
-vocabulary (`SamplingParams.max_tokens` for the Python API, `max_tokens` for the HTTP API, `--max-new-tokens`
-for the CLI) without rewriting the message."""
+"""ParamError: a refused value that carries its field, so each front end names fields in its own words
+(`SamplingParams.max_tokens`, the request's `max_tokens`, `--max-new-tokens`) without rewriting the message."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class Named(NamedTuple):
+    """A field named in a problem's text; with a `value`, the setting `field=value`."""
+
+    field: str
+    value: Any = ...
+
+    def api(self) -> str:
+        return self.field if self.value is ... else f"{self.field}={self.value!r}"
+
 
 class ParamError(ValueError):
-    """`owner.field problem`, e.g. ParamError("SamplingParams", "max_tokens", "must be an int >= 0, got -1")."""
+    """`owner.field problem`; `problem` is text, or text and `Named` fields (naming `field` itself: nothing goes
+    before it). An empty `owner` leaves the field bare; an empty `field` is the owner as a whole."""
 
-    def __init__(self, owner: str, field: str, problem: str) -> None:
+    def __init__(self, owner: str, field: str, problem: str | tuple[str | Named, ...]) -> None:
         self.owner, self.field, self.problem = owner, field, problem
-        super().__init__(f"{owner}.{field} {problem}")
+        super().__init__(self.worded(self.api))
 
-    def worded(self, field: str) -> str:
-        """The message with the field named `field` (a request key, a CLI flag)."""
-        return f"{field} {self.problem}"
+    @classmethod
+    def must_be(cls, owner: str, field: str, value: Any, expected: str) -> ParamError:
+        return cls(owner, field, f"must be {expected}, got {value!r}")
+
+    def api(self, named: Named) -> str:
+        return ".".join(filter(None, (self.owner, named.field))) if named == (self.field, ...) else named.api()
+
+    def worded(self, name: Callable[[Named], str] | str) -> str:
+        """The message with each field worded by `name` (a str: the name of `field`, other fields as they are)."""
+        if isinstance(name, str):
+            return self.worded(lambda named, given=name: given if named.field == self.field else named.api())
+        return "".join(name(part) if isinstance(part, Named) else part for part in self.parts())
+
+    def parts(self) -> tuple[str | Named, ...]:
+        parts = (" ", self.problem) if isinstance(self.problem, str) else self.problem
+        if any(isinstance(part, Named) and part.field == self.field for part in parts):
+            return parts
+        return (Named(self.field), *parts)
+
+    def at(self, where: str) -> ParamError:
+        return type(self)(self.owner, self.field, (where, *self.parts()))
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.owner, self.field, self.problem)
+
+
+# The engine's request checks still raise plain text naming a field ("SamplingParams.stop has ...",
+# "prompt of 3 tokens + max_tokens=500 exceeds ..."); until they raise ParamError, this reads one back.
+_OWNED = re.compile(r"(SamplingParams|BeamSearchParams|StructuredOutputsParams)\.(\w+) (.*)", re.S)
+_CONTEXT = re.compile(r"prompt( of \d+ tokens \+ )max_tokens=(\d+)(.*)", re.S)
+
+
+def as_param_error(err: Exception) -> Exception:
+    if isinstance(err, ParamError) or not isinstance(err, ValueError):
+        return err
+    if owned := _OWNED.match(str(err)):
+        return ParamError(owned[1], owned[2], owned[3])
+    if context := _CONTEXT.match(str(err)):
+        return ParamError("", "prompt", (Named("prompt"), context[1], Named("max_tokens", int(context[2])), context[3]))
+    return err

@@ -1,18 +1,11 @@
-"""EngineConfig: every engine setting, its default and its help, in one place.
-
-`LLM(...)`, `python -m minigpt.generate` and `python -m minigpt.serve` all take these names: the
-command lines' engine flags are generated from the fields.
-The defaults let dozens of concurrent requests batch with no tuning on a laptop-class CPU.
-"""
+"""EngineConfig: every engine setting, its default and its help; the command lines' engine flags come from it."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
-from dataclasses import Field, dataclass, field, fields
-from typing import Any, NoReturn
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from minigpt.common.errors import Named, ParamError
 from minigpt.common.torch_support import check_torch_for
 from minigpt.model.attention import INVARIANT_KEYS
 from minigpt.model.weights import resolve_dtype
@@ -23,10 +16,8 @@ KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # names the CLI offers; LL
 
 
 def _setting(default: object, help: str, flag: str | None = "", choices: tuple[str, ...] | None = None) -> Any:
-    """An EngineConfig field and its command-line flag: `--field-name` unless `flag` names another,
-    none when it is None. `help` is the field's one-line doc and the flag's help."""
+    """A field, its help and its flag: `--field-name` unless `flag` names another (None: no flag)."""
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -79,44 +70,48 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_waiting",
-                     "tensor_parallel_size"):
-            _check_positive(name, getattr(self, name))
-        for name in ("max_stop_strings", "max_stop_chars", "hung_step_seconds"):
+                     "tensor_parallel_size", "max_stop_strings", "max_stop_chars", "hung_step_seconds"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_cache_tokens", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name), " or None")
         for name in ("enable_prefix_caching", "compile", "enforce_eager", "verify_weights", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ParamError.must_be("", name, getattr(self, name), "True or False")
         if self.kv_cache_dtype is not None:
             try:
                 resolve_dtype(self.kv_cache_dtype)  # names, or a torch.dtype as `dtype` takes
             except ValueError:
-                raise ValueError(
-                    f"kv_cache_dtype must be None, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}"
-                ) from None
+                raise ParamError.must_be("", "kv_cache_dtype", self.kv_cache_dtype,
+                                         "None, float32, float16 or bfloat16") from None
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}")
+            raise ParamError.must_be("", "quantize", self.quantize, f"None or one of {QUANTIZATIONS}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
-        if self.compile and self.tensor_parallel_size > 1:
-            raise ValueError(f"compile=True with tensor_parallel_size={self.tensor_parallel_size} is not "
-                             "supported yet: use one or the other")
-        if self.batch_invariant and self.device != "cpu":
-            raise ValueError(f"batch_invariant=True is for the CPU, got device={self.device!r}")
-        if self.batch_invariant and self.tensor_parallel_size > 1:
-            raise ValueError("batch_invariant=True with tensor_parallel_size > 1 is not supported: use one or the "
-                             "other")
-        if self.batch_invariant and INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
-            raise ValueError(f"batch_invariant=True needs a block_size that divides {INVARIANT_KEYS} or that it "
-                             f"divides, got {self.block_size}")
-        if self.batch_invariant and self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
-            raise ValueError("batch_invariant=True with compile=True needs quantize='w8a8'")
+        self._check_combinations()
         if self.compile:
             check_torch_for("compile=True")
         if self.quantize is not None:
             check_torch_for(f"quantize={self.quantize!r}")
+
+    def _check_combinations(self) -> None:
+        compile, invariant = Named("compile", True), Named("batch_invariant", True)
+        if self.compile and self.tensor_parallel_size > 1:
+            size = Named("tensor_parallel_size", self.tensor_parallel_size)
+            raise ParamError("", "compile", (compile, " with ", size, " is not supported yet: use one or the other"))
+        if not self.batch_invariant:
+            return
+        if self.device != "cpu":
+            raise ParamError("", "batch_invariant", (invariant, " is for the CPU, got ", Named("device", self.device)))
+        if self.tensor_parallel_size > 1:
+            raise ParamError("", "batch_invariant", (invariant, " with tensor_parallel_size > 1 is not supported: use "
+                                                                "one or the other"))
+        if INVARIANT_KEYS % self.block_size and self.block_size % INVARIANT_KEYS:
+            raise ParamError("", "batch_invariant", (invariant, f" needs a block_size that divides {INVARIANT_KEYS} or "
+                                                                f"that it divides, got {self.block_size}"))
+        if self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
+            raise ParamError("", "batch_invariant", (invariant, " with ", compile, " needs ",
+                                                     Named("quantize", "w8a8")))
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -133,77 +128,9 @@ class EngineConfig:
 
 def _check_positive(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer{alternative}, got {value!r}")
-
-
-# What an engine refuses to start or run with, for the command lines to report in one line and exit 2:
-# bad arguments, a missing or broken checkpoint, a KV pool larger than memory, a compile that failed.
-USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+        raise ParamError.must_be("", name, value, f"a positive integer{alternative}")
 
 
 def error_line(err: BaseException) -> str:
     """The first line of an error's message (its type when it has none)."""
     return str(err).splitlines()[0] if str(err) else type(err).__name__
-
-
-def flag_error_line(err: BaseException, renames: dict[str, str] | None = None) -> str:
-    """`error_line(err)` in a command line's words: an engine field it names ("num_threads must be ...",
-    "max_tokens=...") named by its flag, and so is each field of `renames` (field -> flag)."""
-    flagged = [(setting, flag) for setting in fields(EngineConfig) if (flag := _flag(setting)) is not None]
-    line = error_line(err)
-    for setting, flag in flagged:  # a switch's "compile=True" is the switch itself
-        if setting.type == "bool":
-            line = re.sub(rf"\b{setting.name}=True\b", flag, line)
-    names = {setting.name: flag for setting, flag in flagged} | (renames or {})
-    pattern = r"(?<![.\w])(" + "|".join(map(re.escape, names)) + r")\b(?= must\b|=)"  # not a name's tail
-    return re.sub(pattern, lambda match: names[match[1]], line)
-
-
-def _flag(setting: Field) -> str | None:
-    flag = setting.metadata["flag"]
-    return "--" + setting.name.replace("_", "-") if flag == "" else flag
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """The command lines' parser: a flag argparse refuses is one line on stderr, like every other error."""
-
-    def error_line(self, message: str) -> str:
-        """`minigpt.generate: error: MESSAGE` for `python -m minigpt.generate`, `minigpt generate: error: ...` for
-        the console command."""
-        return f"{self.prog.removeprefix('python -m ')}: error: {message}"
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, self.error_line(message) + " (see --help)\n")
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags every command line takes (generate, serve): one per EngineConfig field that has one."""
-    engine = parser.add_argument_group("engine")
-    for setting in fields(EngineConfig):
-        flag, meta = _flag(setting), setting.metadata
-        if flag is None:
-            continue
-        if setting.type == "bool":  # (annotations are strings here) a switch, off by default
-            engine.add_argument(flag, action="store_true", help=meta["help"])
-            continue
-        kind = {"int": int, "dict": _json_object}.get(setting.type.split(" ")[0])  # None: the string as it is
-        engine.add_argument(flag, type=kind, default=setting.default, choices=meta["choices"], help=meta["help"])
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def engine_args_from(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from the flags of `add_engine_arguments`."""
-    return {
-        setting.name: getattr(args, flag.removeprefix("--").replace("-", "_"))
-        for setting in fields(EngineConfig)
-        if (flag := _flag(setting)) is not None
-    }

@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from minigpt.common.errors import Named, ParamError
 from minigpt.model.weights import CheckpointError, weight_files
 
 logger = logging.getLogger("minigpt")
@@ -22,13 +23,17 @@ def published_sha256(file: Path) -> str | None:
     return blob.name if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name) else None
 
 
+class UnpublishedWeights(ParamError, CheckpointError):
+    pass
+
+
 def verify_weights(path: Path, published: Callable[[Path], str | None] = published_sha256) -> None:
     files = weight_files(path)
     for file in files:
         expected = published(file)
         if expected is None:
-            raise CheckpointError(f"verify_weights=True: no published SHA-256 is known for {file} (only a "
-                                  "hub download has one): run without it")
+            raise UnpublishedWeights("", "verify_weights", (Named("verify_weights", True), ": no published SHA-256 is "
+                                     f"known for {file} (only a hub download has one): run without it"))
         digest = hashlib.sha256()
         with open(file, "rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.common.errors import Named, ParamError
 from minigpt.sampling.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, per token (OpenAI's limit)
@@ -18,29 +20,20 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _bad(field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"SamplingParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "SamplingParams")
 
 
 @dataclass
 class SamplingParams:
-    """How to pick the tokens of one request; checked at construction and again at submission, where the
-    engine takes its own copy: a field changed later can neither skip the checks nor alter a running request.
-
-    temperature=0 is greedy, and so is any temperature below 1e-5 (dividing logits by much less
-    overflows float32); top_k=0 disables top-k. `stop` and `stop_token_ids` are normalised to tuples
-    (empty when not given). `logprobs` / `prompt_logprobs` ask for that many top alternatives per
-    generated / prompt token (0: only the token's own logprob). `max_tokens=0` with `prompt_logprobs`
-    scores the prompt and generates nothing. `logit_bias` {token id: bias} is added to
-    those ids' logits and `allowed_token_ids` restricts the choice to its ids, both before any penalty;
-    normalised to a dict (None when empty) and a tuple. `structured_outputs` constrains the output to a
-    JSON schema, a regex, a choice or a grammar (StructuredOutputsParams); it takes neither min_tokens nor
-    allowed_token_ids, which could leave no token the grammar allows.
-    """
+    """Checked when built and again on submission, where the engine takes its own copy. temperature below 1e-5
+    is greedy (dividing by less overflows float32); top_k=0 is off. `logprobs` / `prompt_logprobs`: top
+    alternatives per generated / prompt token (0: the token's own only); `max_tokens=0` with `prompt_logprobs`
+    scores the prompt. `logit_bias` and `allowed_token_ids` act before any penalty. `structured_outputs` takes
+    neither min_tokens nor allowed_token_ids, which could leave no token the grammar allows."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -69,7 +62,8 @@ class SamplingParams:
         self.n = self._int("n", self.n, 1)
         self.min_tokens = self._int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
-            raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+            raise ParamError("SamplingParams", "min_tokens", (" must be <= ", Named("max_tokens"),
+                                                              f" ({self.max_tokens}), got {self.min_tokens!r}"))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -108,7 +102,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Greedy requests take the argmax and never consume randomness."""
         return self.temperature < GREEDY_BELOW
 
     @staticmethod
@@ -119,7 +112,7 @@ class SamplingParams:
 
     @staticmethod
     def _real(field: str, value: Any, ok: Callable[[float], bool], expected: str) -> float:
-        if not _is_real(value) or not math.isfinite(value) or not ok(value):
+        if not is_real(value) or not math.isfinite(value) or not ok(value):
             raise _bad(field, value, f"a finite number {expected}")
         return float(value)
 
@@ -142,11 +135,11 @@ class SamplingParams:
 
     @staticmethod
     def _logit_bias(bias: Any) -> dict[int, float] | None:
-        """A new dict each time: the caller's can change without reaching a submitted request."""
+        # a new dict each time: the caller's may change without reaching a submitted request
         if bias is None:
             return None
         if not isinstance(bias, Mapping) or not all(
-            is_int(i) and i >= 0 and _is_real(b) and math.isfinite(b) for i, b in bias.items()
+            is_int(i) and i >= 0 and is_real(b) and math.isfinite(b) for i, b in bias.items()
         ):
             raise _bad("logit_bias", bias, "a dict of non-negative int token ids to finite numbers")
         return {int(i): float(b) for i, b in bias.items()} or None

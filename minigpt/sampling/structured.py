@@ -1,29 +1,24 @@
-"""StructuredOutputsParams: the one constraint a request's output must satisfy (a JSON schema, any JSON
-object, a regex, a choice among strings, or a Lark grammar), checked and normalised when built."""
+"""StructuredOutputsParams: the one constraint a request's output must satisfy, checked when built."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.common.errors import ParamError
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _bad(field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"StructuredOutputsParams.{field} must be {expected}, got {value!r}")
+_bad = functools.partial(ParamError.must_be, "StructuredOutputsParams")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of: `json` a JSON schema (a dict, or its JSON text), `regex` a regular expression the
-    whole output matches, `choice` a list of strings the output is one of, `grammar` a Lark grammar
-    (llguidance's dialect: `start: ...`, regexes as /.../, and %json for embedded JSON schemas), or
-    `json_object=True` any JSON object. JSON is generated compact: no whitespace between tokens.
-
-    `json` is normalised to its dict and `choice` to a tuple; `key` names the constraint for the
-    compiled-grammar cache.
-    """
+    """Exactly one of: `json` a JSON schema (a dict or its text), `regex` the whole output matches, `choice` among
+    strings, `grammar` in llguidance's Lark dialect, or `json_object=True`. JSON is generated compact."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -34,8 +29,8 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(KINDS)}, got "
-                             f"{', '.join(given) if given else 'none'}")
+            raise ParamError("StructuredOutputsParams", "", f"takes exactly one of {', '.join(KINDS)}, got "
+                                                            f"{', '.join(given) if given else 'none'}")
         if not isinstance(self.json_object, bool):
             raise _bad("json_object", self.json_object, "a bool")
         if self.json is not None:

@@ -1,18 +1,17 @@
-"""The OpenAI-compatible HTTP front of minigpt (`python -m minigpt.serve`).
+"""The OpenAI-compatible HTTP server (`python -m minigpt.serve`; the `server` extra: FastAPI, uvicorn, jinja2).
 
-    protocol.py   the /v1/completions request schema, its plan of engine requests (EnginePlan), response shapes
-    submit.py     an EnginePlan submitted to the engine, its refusals and failures as OpenAI errors
-    chat.py       /v1/chat/completions: its request schema, plan, chunks and logprobs, over the completions mapping
+    protocol.py     request bodies (pydantic) and their EnginePlan; refusals name the body's fields (FieldNames)
+    responses.py    answer shapes: headers, choices, usage, OpenAI's legacy logprobs
+    submit.py       an EnginePlan submitted to the engine; its refusals and failures as OpenAI errors
+    completions.py  /v1/completions and /v1/models
+    chat.py         /v1/chat/completions over the completions mapping
     chat_template.py  Jinja chat templates rendered as transformers' apply_chat_template renders them
-    streams.py    server-sent events, merged deltas, client disconnects
-    shutdown.py   graceful shutdown: drain the requests in flight, then abort the rest
-    errors.py     OpenAI-style error bodies and the exception handlers that produce them
-    tokenization.py vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)
-    middleware.py ASGI middleware: API key, request body size and time limits
-    connections.py uvicorn's config: a deadline for request headers, a limit on connections and requests
-    limits.py     the defaults of what one client may send or hold (body size, read timeout, concurrency)
-    app.py        the FastAPI app: routes, streaming, cancellation on disconnect
-
-Batch jobs (minigpt/batch_jobs/) answer bodies with the same plan, submit and response builders.
-Needs the optional `server` extra (FastAPI, uvicorn, jinja2): pip install "minigpt[server]".
+    tokenization.py vLLM's /tokenize, /detokenize and /tokenizer_info
+    streams.py      server-sent events, merged deltas, client disconnects
+    errors.py       OpenAI-style error bodies and the handlers that produce them
+    middleware.py   API key, request body size and time limits
+    connections.py  uvicorn's config: header deadline, connection limit
+    limits.py       the defaults of what one client may send or hold
+    shutdown.py     graceful shutdown: drain, then abort the rest
+    app.py          the FastAPI app: routes, middleware, handlers
 """

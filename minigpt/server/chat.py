@@ -1,64 +1,30 @@
-"""POST /v1/chat/completions: messages rendered by the chat template, then generated as a completion.
-
-The request's sampling fields are those of /v1/completions and go through its mapping
-(`CompletionRequest.sampling_params`), so both endpoints accept and refuse the same values.
-"""
+"""/v1/chat/completions: messages rendered by the chat template, then run through /v1/completions' mapping, so
+both endpoints accept and refuse the same values."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import Field
 
 from minigpt.engine.request import RequestOutput
 from minigpt.sampling import TokenLogprobs
-from minigpt.server import protocol
-from minigpt.server.chat_template import ChatTemplate, ChatTemplateError
-from minigpt.server.errors import APIError, check_model, invalid
-from minigpt.server.protocol import CompletionRequest, EnginePlan, SamplingFields
-from minigpt.server.streams import event, merged, unless_disconnected
-from minigpt.serving.request_handle import RequestHandle
+from minigpt.server.chat_template import ChatTemplate, render_messages
+from minigpt.server.completions import CompletionServer
+from minigpt.server.errors import check_model, invalid
+from minigpt.server.protocol import ChatMessage, CompletionRequest, EnginePlan, SamplingFields
+from minigpt.server.responses import chat_completion_id, header, usage
+from minigpt.server.streams import event_stream
+from minigpt.serving.request_handle import RequestHandle, StreamDelta
 from minigpt.tokenizer.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from minigpt.server.app import CompletionServer
-
-NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template FILE (a Jinja template, "
-               "as transformers' apply_chat_template takes), or use /v1/completions")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message; `content` is text or a list of text parts (joined with newlines, as vLLM does)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def for_template(self) -> dict[str, Any]:
-        message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
-        return message
-
-
 class ChatCompletionRequest(SamplingFields):
-    """OpenAI's chat completions body with vLLM's extensions."""
-
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
@@ -69,8 +35,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
 
     def completion(self, prompt: list[int], context: int) -> CompletionRequest:
-        """The completions request this chat request amounts to, for the prompt's token ids and the model's
-        context of `context` tokens."""
+        """The completions request this one amounts to, for the prompt's ids and a context of `context` tokens."""
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -85,55 +50,30 @@ class ChatCompletionRequest(SamplingFields):
             logprobs=(self.top_logprobs or 0) if self.logprobs else None, **fields)
 
 
-def render_messages(template: ChatTemplate | None, messages: list[ChatMessage], add_generation_prompt: bool,
-                    chat_template_kwargs: dict[str, Any] | None) -> str:
-    """The prompt text `template` makes of `messages`; a 400 naming `messages` without a template or when
-    rendering fails."""
-    if template is None:
-        raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
-    try:
-        return template.render([m.for_template() for m in messages], add_generation_prompt, chat_template_kwargs)
-    except ChatTemplateError as err:
-        raise invalid(str(err), "messages") from None
-
-
 def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer,
               context: int) -> EnginePlan:
-    """The engine request a chat body asks for, its messages rendered by `template` and tokenized, for a model
-    of `context` positions; a 400 for a body the engine cannot run."""
+    """The engine request a chat body asks for; a 400 for a body the engine cannot run."""
     text = render_messages(template, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     prompt = tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
     if not prompt:
         raise invalid("the chat template rendered the messages as an empty prompt", "messages")
     completion = body.completion(prompt, context)
-    # the request's name for what completions call max_tokens
     renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
-    try:
-        params = completion.sampling_params()
-        completion.prompts()  # the request-size checks of /v1/completions
-    except APIError as err:
-        raise protocol.renamed(err, renames) from None
-    return EnginePlan([prompt], params, params.n, completion.structured_param, renames)
+    params = completion.sampling_params(renames)
+    completion.prompts()  # the request-size checks of /v1/completions
+    return EnginePlan([prompt], params, params.n, completion.field_names(renames))
 
 
 def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokenizer, model: str,
               response_id: str) -> dict:
-    """The /v1/chat/completions answer to `body` from its engine output."""
     top = body.top_logprobs or 0
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": None if c.logprobs is None else chat_logprobs(tokenizer, c.token_ids, c.logprobs, top),
                 "finish_reason": c.finish_reason} for c in out.outputs]
-    return {**protocol.header("chat.completion", model, response_id), "choices": choices,
-            "usage": protocol.usage([out])}
-
-
-def chat_completion_id() -> str:
-    return f"chatcmpl-{protocol.completion_id().removeprefix('cmpl-')}"
+    return {**header("chat.completion", model, response_id), "choices": choices, "usage": usage([out])}
 
 
 class ChatServer:
-    """/v1/chat/completions over the completions server's engine, with `template` (None: every call is a 400)."""
-
     def __init__(self, completions: CompletionServer, template: ChatTemplate | None) -> None:
         self.completions = completions
         self.template = template
@@ -146,49 +86,27 @@ class ChatServer:
         plan = await asyncio.to_thread(chat_plan, body, self.template, server.llm.tokenizer, context)
         handles = await server.submit(plan)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(handles[0], plan.n, body.top_logprobs or 0, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            out = await unless_disconnected(request, handles[0].wait())
-        finally:
-            handles[0].cancel()  # a no-op for a finished request
-        if out is None:
+            return self._stream(handles, plan.n, body.top_logprobs or 0, body.include_usage)
+        outputs = await server.outputs(request, handles)
+        if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        server.raise_failures(handles)
-        return chat_body(body, out, server.llm.tokenizer, server.model_name, chat_completion_id())
+        return chat_body(body, outputs[0], server.llm.tokenizer, server.model_name, chat_completion_id())
 
-    def _header(self, kind: str) -> dict:
-        return protocol.header(kind, self.completions.model_name, chat_completion_id())
-
-    async def _stream(self, handle: RequestHandle, n: int, top: int, include_usage: bool) -> AsyncIterator[str]:
-        """OpenAI's chunks: each choice's role first, then its content deltas (with their logprobs), the last
-        with its finish_reason; then usage if asked, then [DONE]."""
-        header = self._header("chat.completion.chunk")
-        if include_usage:  # OpenAI: every chunk carries usage, null until the last
-            header["usage"] = None
+    def _stream(self, handles: list[RequestHandle], n: int, top: int, include_usage: bool) -> Response:
         tokenizer = self.completions.llm.tokenizer
-        try:
-            for index in range(n):
-                yield event({**header, "choices": [chunk_choice(index, {"role": "assistant", "content": ""})]})
-            async for _, delta in merged([handle]):
-                if delta.finish_reason == "error":
-                    yield event(APIError(500, f"generation failed: {handle.error or 'engine error'}",
-                                         "server_error").body())
-                    continue
-                logprobs = None
-                if delta.logprobs is not None and delta.token_ids:
-                    logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, top)
-                if delta.text or delta.finished or logprobs is not None:
-                    content = {"content": delta.text} if delta.text else {}
-                    yield event({**header, "choices": [chunk_choice(delta.index, content, delta.finish_reason,
-                                                                    logprobs)]})
-            if include_usage:
-                out: RequestOutput = await handle.wait()
-                yield event({**header, "choices": [], "usage": protocol.usage([out])})
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (Starlette cancels this generator) or the stream ended
-            handle.cancel()
+
+        def chunk(_: int, delta: StreamDelta) -> dict | None:
+            logprobs = None
+            if delta.logprobs is not None and delta.token_ids:
+                logprobs = chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, top)
+            if delta.text or delta.finished or logprobs is not None:
+                content = {"content": delta.text} if delta.text else {}
+                return chunk_choice(delta.index, content, delta.finish_reason, logprobs)
+            return None
+
+        opening = [chunk_choice(index, {"role": "assistant", "content": ""}) for index in range(n)]
+        head = header("chat.completion.chunk", self.completions.model_name, chat_completion_id())
+        return event_stream(handles, head, include_usage, opening, chunk)
 
 
 def chunk_choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:

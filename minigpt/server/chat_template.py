@@ -1,11 +1,5 @@
-"""Chat templates: a conversation rendered to prompt text as transformers' `apply_chat_template` renders it.
-
-The template is Jinja, run in a sandbox set up as transformers sets up its own: trim_blocks and
-lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`,
-and the tokenizer's special tokens (bos_token, eos_token, ...) as variables. It comes from a file
-(`--chat-template FILE`) or from the checkpoint: `chat_template.jinja`, else tokenizer_config.json's
-`chat_template`. Needs jinja2 (the `server` extra).
-"""
+"""Chat templates: a conversation rendered as transformers' `apply_chat_template` renders it (a Jinja sandbox
+set up as transformers sets up its own), from --chat-template FILE or the checkpoint's own."""
 
 from __future__ import annotations
 
@@ -14,9 +8,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from minigpt.server.errors import invalid
+from minigpt.server.protocol import ChatMessage
 from minigpt.tokenizer.files import END_OF_TEXT, read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"
+NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template FILE (a Jinja template, "
+               "as transformers' apply_chat_template takes), or use /v1/completions")
 # transformers' GPT2Tokenizer: <|endoftext|> is BOS, EOS and UNK unless tokenizer_config.json says otherwise
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 GPT2_SPECIAL_TOKENS = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "unk_token": END_OF_TEXT}
@@ -27,8 +25,6 @@ class ChatTemplateError(ValueError):
 
 
 class ChatTemplate:
-    """A compiled chat template and the special-token variables it renders with."""
-
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         self.source = source
         self.special_tokens = dict(GPT2_SPECIAL_TOKENS if special_tokens is None else special_tokens)
@@ -61,9 +57,8 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                variables: dict[str, Any] | None = None) -> str:
-        """The prompt text for `messages`; keys whose value is None are dropped first, as transformers does.
-        `variables` are more for the template (vLLM's chat_template_kwargs); they override the special tokens,
-        not the messages nor add_generation_prompt."""
+        """The prompt text for `messages` (keys set to None dropped, as transformers does); `variables` (vLLM's
+        chat_template_kwargs) override the special tokens, not the messages nor add_generation_prompt."""
         import jinja2
 
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -75,6 +70,17 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template refused the messages: {err}") from None
         except Exception as err:  # whatever the messages and chat_template_kwargs make it do: 1 / 0, range(10**20)
             raise ChatTemplateError(f"the chat template failed on the messages: {type(err).__name__}: {err}") from None
+
+
+def render_messages(template: ChatTemplate | None, messages: list[ChatMessage], add_generation_prompt: bool,
+                    chat_template_kwargs: dict[str, Any] | None) -> str:
+    """The prompt text `template` makes of `messages`; a 400 naming `messages` when it cannot."""
+    if template is None:
+        raise invalid(NO_TEMPLATE, "messages", code="chat_template_missing")
+    try:
+        return template.render([m.for_template() for m in messages], add_generation_prompt, chat_template_kwargs)
+    except ChatTemplateError as err:
+        raise invalid(str(err), "messages") from None
 
 
 def special_tokens_of(config: dict) -> dict[str, str]:

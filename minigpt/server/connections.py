@@ -1,11 +1,5 @@
-"""How the server holds connections: uvicorn's config with a deadline for each request's headers and a
-limit on connections and requests in flight.
-
-uvicorn bounds only the idle time between two requests (timeout_keep_alive): a client sending a few
-bytes of headers now and then (slowloris) would hold its connection for ever. `HeaderDeadline` closes a
-connection whose request headers have not all arrived `header_timeout` seconds after they began (or
-after it opened); the body has a deadline of its own (middleware.BodyLimits).
-"""
+"""uvicorn's config: a deadline for each request's headers (uvicorn bounds only the idle time between requests,
+so a slowloris client would hold its connection for ever) and a limit on connections and requests in flight."""
 
 from __future__ import annotations
 
@@ -18,8 +12,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class HeaderDeadline(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers."""
-
     def __init__(self, *args, header_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout

@@ -1,8 +1,4 @@
-"""OpenAI-style errors: every failure answers {"error": {"message", "type", "param", "code"}}.
-
-Clients (the official `openai` package among them) read `message` and `param` from this body, so
-every path that can reject a request (validation, auth, limits, unknown routes, crashes) uses it.
-"""
+"""OpenAI-style errors: every failure answers {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
@@ -18,8 +14,6 @@ logger = logging.getLogger("minigpt.server")
 
 
 class APIError(Exception):
-    """A request the server refuses, with the HTTP status and the OpenAI error fields."""
-
     def __init__(
         self,
         status: int,
@@ -52,9 +46,8 @@ def check_model(model: str | None, served: str) -> None:
 
 
 def validation_error(err: RequestValidationError, content_type: str | None = None) -> APIError:
-    """A pydantic error as a 400 naming the field by its whole path (`param`: the top-level field):
-    malformed JSON, wrong types, unknown fields. `content_type`: the request's; a body sent as
-    something else (curl -d's form encoding), or with none, is not read as JSON."""
+    """A pydantic error as a 400 naming the field by its whole path (`param`: the top-level field); a body sent
+    with another `content_type` (curl -d's form encoding) or none is not read as JSON."""
     errors = err.errors()
     locs = [error["loc"][1:] for error in errors]  # loc[0] is "body"
     deepest = max(errors, key=lambda error: len(error["loc"]))  # the union member the value came closest to
@@ -87,9 +80,8 @@ _MEMBER = re.compile(r"^(str|int|float|bool|bytes|dict|list|none)$|[\[\-]|^[A-Z]
 
 
 def _field_path(loc: tuple, others: list[tuple], body: object) -> list:
-    """`loc` without pydantic's names of union members and of a dict's keys ("[key]": the key before it
-    failed). A member is named as pydantic names them, where `loc` and another error part ways, and is
-    no key of what the request sent there."""
+    """`loc` without pydantic's names of union members (where `loc` and another error part ways, and no key of
+    what was sent there) and of a dict's keys ("[key]")."""
     path, sent = [], body
     for index, part in enumerate(loc):
         if isinstance(sent, dict) and part in sent or isinstance(sent, list) and isinstance(part, int):
@@ -106,8 +98,6 @@ def _field_path(loc: tuple, others: list[tuple], body: object) -> list:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Route every error the app can raise to an OpenAI-style body."""
-
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:
         return err.response()

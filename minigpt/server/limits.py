@@ -1,4 +1,4 @@
-"""What one client may send or hold, by default: the serve flags' defaults (no server extra needed to read them)."""
+"""The serve flags' defaults of what one client may send or hold (readable without the server extra)."""
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a few hundred full-context prompts as token ids
 DEFAULT_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body

@@ -1,7 +1,5 @@
-"""API key and body checks (size, time), as plain ASGI middleware so they run before anything reads the body.
-
-The key is checked first: a client without it cannot make the server buffer a body at all.
-"""
+"""API key and body checks (size, time) as ASGI middleware: they run before anything reads the body, the key
+first, so a client without it cannot make the server buffer a body."""
 
 from __future__ import annotations
 
@@ -47,10 +45,8 @@ class BearerAuth:
 
 
 class BodyLimits:
-    """A declared Content-Length over the limit is refused before a byte is read; a chunked body is
-    read up to the limit and refused as soon as it passes it, so no client makes the server buffer more.
-    A body that has not all arrived `timeout` seconds after its headers is answered 408, and its
-    connection closed: a client that announces 1,000 bytes and sends 10 holds nothing for long."""
+    """A body over `max_bytes` is refused (413) as soon as it is known to be; one not all arrived `timeout`
+    seconds after its headers is answered 408, its connection closed."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app

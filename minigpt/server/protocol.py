@@ -1,28 +1,21 @@
-"""The /v1/completions request as OpenAI (and vLLM's extensions) define it, mapped onto SamplingParams.
-
-Types are checked strictly by pydantic (no "0.5" for a float, no true for a token id); value ranges
-are checked once, by SamplingParams, whose errors name the field, so the 400 names it too.
-"""
+"""The request bodies as OpenAI and vLLM's extensions define them, and their plan of engine requests. Types are
+checked strictly by pydantic; values once, by the params built from them, whose errors name the body's field."""
 
 from __future__ import annotations
 
-import re
-import time
-import uuid
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from minigpt.beam.params import BeamSearchParams
-from minigpt.engine.request import RequestOutput
-from minigpt.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
+from minigpt.common.errors import Named, ParamError
+from minigpt.sampling import SamplingParams, StructuredOutputsParams
 from minigpt.server.errors import APIError, invalid
-from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
-# OpenAI's limit on completions per prompt, and ours on a request's completions (prompts x n): one
-# request may not queue thousands of sequences ahead of every other
+# OpenAI's limit on completions per prompt; ours on a request's (prompts x n), so no request queues thousands
 MAX_N = 128
 MAX_CHOICES = 2048
 # OpenAI's logit_bias: token ids as strings of digits -> a bias in [-100, 100]
@@ -67,8 +60,7 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields /v1/completions and /v1/chat/completions take alike, with vLLM's extensions; null means
-    the default, as OpenAI clients sometimes send it."""
+    """The fields /v1/completions and /v1/chat/completions share; null is the default, as OpenAI clients send it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -95,47 +87,77 @@ class SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` is text or a list of text parts (joined with newlines, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """A body's names for the fields of the params made from it, so that a refusal names what the client sent."""
+
+    structured: str = "structured_outputs"  # the field a structured-output constraint came from
+    renames: Mapping[str, str] = field(default_factory=dict)  # params field -> the body's name for it
+
+    def refusal(self, err: ParamError, where: str = "") -> APIError:
+        """A 400 for `err`, its fields named as the body names them; `where` ("prompt 2: ") goes first."""
+        if err.owner == "StructuredOutputsParams":
+            return invalid(where + err.worded(self._structured), self.structured)
+        param = self.renames.get(err.field, err.field)
+        return invalid(where + err.worded(lambda n: self.renames.get(n.field, n.field) + _setting(n)), param)
+
+    def _structured(self, named: Named) -> str:
+        if self.structured == "response_format" and named.field == "json":
+            return "response_format.json_schema.schema"
+        return ".".join(filter(None, (self.structured, named.field)))
+
+
+def _setting(named: Named) -> str:
+    return "" if named.value is ... else f"={named.value!r}"
+
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What one request body asks of the engine: a request per prompt with `params`, of whose completions
-    the answer shows `n` per prompt. The HTTP endpoints and batch jobs both submit it (minigpt.server.submit)."""
+    """A request per prompt with `params`; the answer shows `n` completions per prompt. The HTTP endpoints and
+    batch jobs both submit it (minigpt.server.submit)."""
 
     prompts: list[Prompt]
     params: SamplingParams | BeamSearchParams
     n: int
-    structured_param: str = "structured_outputs"  # the field a structured-output constraint came from
-    renames: dict[str, str] = field(default_factory=dict)  # completions field -> the body's name for it
-
-    def named(self, err: APIError) -> APIError:
-        """`err` naming the fields as the body named them (chat's max_completion_tokens for max_tokens)."""
-        return renamed(err, self.renames)
-
-
-def renamed(err: APIError, renames: dict[str, str]) -> APIError:
-    """`err` with each field of `renames` (completions field -> the body's name for it) named as the body names it."""
-    for old, new in renames.items():
-        err.message = err.message.replace(old, new)
-        err.param = new if err.param == old else err.param
-    return err
+    names: FieldNames = FieldNames()
 
 
 def completion_plan(body: CompletionRequest) -> EnginePlan:
     """The engine requests a /v1/completions body asks for; a 400 for a body the engine cannot run."""
     prompts = body.prompts()
     if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
-        return EnginePlan(prompts, body.beam_search_params(), 1 if body.n is None else body.n)
+        return EnginePlan(prompts, body.beam_search_params(), 1 if body.n is None else body.n, body.beam_names())
     params = body.sampling_params()
-    return EnginePlan(prompts, params, params.n, body.structured_param)
-
-
-def completion_body(body: CompletionRequest, plan: EnginePlan, outputs: list[RequestOutput], tokenizer: Tokenizer,
-                    model: str, response_id: str) -> dict:
-    """The /v1/completions answer to `body` from its engine outputs (one per prompt of `plan`)."""
-    outputs = [replace(out, outputs=out.outputs[: plan.n]) for out in outputs]
-    choices = [c for i, out in enumerate(outputs)
-               for c in completion_choices(out, i * plan.n, bool(body.echo), tokenizer)]
-    return {**header("text_completion", model, response_id), "choices": choices, "usage": usage(outputs)}
+    return EnginePlan(prompts, params, params.n, body.field_names())
 
 
 class CompletionRequest(SamplingFields):
@@ -167,8 +189,9 @@ class CompletionRequest(SamplingFields):
                           "prompt" if per_prompt == 1 else "best_of" if self.use_beam_search and self.best_of else "n")
         return prompt
 
-    def sampling_params(self) -> SamplingParams:
-        """OpenAI defaults (max_tokens 16, temperature 1) where the request leaves a field out."""
+    def sampling_params(self, renames: Mapping[str, str] | None = None) -> SamplingParams:
+        """OpenAI defaults (max_tokens 16, temperature 1) where the request leaves a field out; `renames`: the
+        body's names for the fields, where they are not this request's (chat's max_completion_tokens)."""
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
         if self.n is not None and self.n > MAX_N:
@@ -209,13 +232,15 @@ class CompletionRequest(SamplingFields):
         }
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
-        except ValueError as err:
-            raise params_error(err, structured_param=self.structured_param) from None
+        except ParamError as err:
+            raise self.field_names(renames).refusal(err) from None
 
-    @property
-    def structured_param(self) -> str:
-        """The request field a structured-output constraint came from, for errors that name it."""
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+    def field_names(self, renames: Mapping[str, str] | None = None) -> FieldNames:
+        structured = "structured_outputs" if self.structured_outputs is not None else "response_format"
+        return FieldNames(structured, {"prompt_logprobs": "logprobs", **(renames or {})})  # set from logprobs on echo
+
+    def beam_names(self) -> FieldNames:
+        return FieldNames(renames={"beam_width": "n" if self.best_of is None else "best_of"})
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
@@ -233,8 +258,8 @@ class CompletionRequest(SamplingFields):
             if fmt.json_schema is None or fmt.json_schema.json_schema is None:
                 raise invalid('response_format of type "json_schema" needs json_schema.schema', "response_format")
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-        except ValueError as err:
-            raise invalid(structured_error(err, self.structured_param), self.structured_param) from None
+        except ParamError as err:
+            raise self.field_names().refusal(err) from None
 
     def beam_search_params(self) -> BeamSearchParams:
         """use_beam_search: beam width best_of (else n), the n best hypotheses returned; the sampling fields
@@ -268,112 +293,5 @@ class CompletionRequest(SamplingFields):
                  "ignore_eos": self.ignore_eos}
         try:
             return BeamSearchParams(beam_width=width, **{k: v for k, v in given.items() if v is not None})
-        except ValueError as err:
-            raise invalid(str(err).replace("BeamSearchParams.", ""),
-                          next((f for f in given if f"BeamSearchParams.{f} " in str(err)), None)) from None
-
-
-_FIELD = re.compile(r"SamplingParams\.(\w+)")
-
-
-def params_error(err: ValueError, where: str = "", default: str | None = None,
-                 structured_param: str = "structured_outputs") -> APIError:
-    """A 400 for an error that names a SamplingParams field (else `default`), naming the request field; a
-    StructuredOutputsParams error names `structured_param`, the field the constraint came from."""
-    if "StructuredOutputsParams" in str(err):
-        return invalid(f"{where}{structured_error(err, structured_param)}", structured_param)
-    field = _FIELD.search(str(err))
-    param = field.group(1) if field else default
-    message = str(err).replace("SamplingParams.", "")
-    if param == "prompt_logprobs":  # set from logprobs when echo is on
-        param, message = "logprobs", message.replace("prompt_logprobs", "logprobs")
-    return invalid(f"{where}{message}", param)
-
-
-def structured_error(err: ValueError, param: str) -> str:
-    """A StructuredOutputsParams error in the words of `param`, the request field the constraint came from
-    ("response_format.json_schema.schema is not valid: ...")."""
-    text = str(err)
-    if param == "response_format":
-        text = text.replace("StructuredOutputsParams.json ", "response_format.json_schema.schema ")
-    return text.replace("StructuredOutputsParams.", f"{param}.").replace("StructuredOutputsParams", param)
-
-
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
-
-
-def header(kind: str, model: str, response_id: str) -> dict:
-    """The fields every answer (and every chunk of a stream) opens with; `kind` is OpenAI's `object`."""
-    return {"id": response_id, "object": kind, "created": now(), "model": model}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(out.prompt_token_ids) for out in outputs)
-    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def completion_choices(out: RequestOutput, first_index: int, echo: bool, tokenizer: Tokenizer) -> list[dict]:
-    """The choices of one prompt, indexed prompt-major as OpenAI does (prompt i, sample j -> i * n + j)."""
-    prompt_text = prompt_as_text(out, tokenizer) if echo else ""
-    choices = []
-    for c in out.outputs:
-        logprobs = None
-        if c.logprobs is not None:
-            ids, lps = list(c.token_ids), list(c.logprobs)
-            if echo:
-                ids, lps = out.prompt_token_ids + ids, list(out.prompt_logprobs) + lps
-            logprobs = LogprobsWriter(tokenizer).write(ids, lps)
-        choices.append(choice(first_index + c.index, prompt_text + c.text, c.finish_reason, logprobs))
-    return choices
-
-
-def prompt_as_text(out: RequestOutput, tokenizer: Tokenizer) -> str:
-    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
-
-
-class LogprobsWriter:
-    """OpenAI's legacy logprobs object for one choice: tokens, token_logprobs, top_logprobs (the chosen
-    token always among them) and text_offset, the character where each token starts in the choice's
-    text. A stream writes one object per chunk, and the offsets run on across its chunks."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.text_offset = 0
-        self._decoder = IncrementalDecoder(tokenizer)
-
-    def write(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, lp in zip(token_ids, logprobs, strict=True):
-            token = token_string(self.tokenizer, token_id)
-            tokens.append(token)
-            offsets.append(self.text_offset)
-            self.text_offset += len(self._decoder.feed(token_id))
-            if lp is None:  # a prompt's first token has nothing before it to predict it
-                token_logprobs.append(None)
-                top_logprobs.append(None)
-                continue
-            token_logprobs.append(lp.logprob)
-            top = {token_string(self.tokenizer, i): v for i, v in lp.top.items()}
-            top.setdefault(token, lp.logprob)
-            top_logprobs.append(top)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
-
-
-def token_string(tokenizer: Tokenizer, token_id: int) -> str:
-    """A token's text; a token that ends inside a UTF-8 character is shown as its bytes, OpenAI's way."""
-    raw = tokenizer.decode_bytes([token_id])
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        except ParamError as err:
+            raise self.beam_names().refusal(err) from None

@@ -1,9 +1,5 @@
-"""Graceful shutdown for `python -m minigpt.serve`: on SIGTERM or SIGINT, stop accepting, drain, exit.
-
-uvicorn stops listening and waits for the requests in flight. Past the grace period the engine is
-closed: every request still running ends with finish_reason "abort" (its KV pages freed), so streams
-finish with a last chunk and [DONE] rather than a cut connection, and the process exits 0.
-"""
+"""Graceful shutdown: on SIGTERM or SIGINT uvicorn stops listening and drains; past the grace period the engine
+is closed, so what still runs ends with finish_reason "abort" and streams end with [DONE], not a cut."""
 
 from __future__ import annotations
 
@@ -21,8 +17,6 @@ BACKSTOP_SECONDS = 5.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server whose shutdown closes `llm` once `grace` seconds have passed."""
-
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM, grace: float) -> None:
         super().__init__(config)
         self.llm = llm
@@ -39,8 +33,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: FastAPI, llm: AsyncLLM, host: str, port: int, log_level: str, grace: float, read_timeout: float,
           limit_concurrency: int) -> None:
-    """Serve `app` until SIGTERM or SIGINT, then drain for up to `grace` seconds; returns normally. The
-    connections are held as connections.uvicorn_config says."""
+    """Serve `app` until SIGTERM or SIGINT, then drain for up to `grace` seconds; returns normally."""
     config = uvicorn_config(app, host, port, log_level, read_timeout, limit_concurrency, grace + BACKSTOP_SECONDS)
     # uvicorn raises the signal it drained on once more as it returns: by then it only means a clean exit
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,14 +1,17 @@
-"""Server-sent events and client presence: the pieces every streaming or waiting endpoint shares."""
+"""Server-sent events and client presence: what every streaming or waiting endpoint shares."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
+from minigpt.server.errors import APIError
+from minigpt.server.responses import usage
 from minigpt.serving.request_handle import RequestHandle, StreamDelta
 
 T = TypeVar("T")
@@ -16,6 +19,38 @@ T = TypeVar("T")
 
 def event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def event_stream(handles: list[RequestHandle], header: dict, include_usage: bool, opening: list[dict],
+                 choice: Callable[[int, StreamDelta], dict | None]) -> StreamingResponse:
+    """The chunks of `handles` as server-sent events: `opening` choices, then the choice `choice` makes of each
+    (prompt index, delta) (None: nothing to send), then usage if asked, then [DONE]; the requests are cancelled
+    when the stream ends or its client goes away."""
+    return StreamingResponse(_events(handles, header, include_usage, opening, choice), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _events(handles: list[RequestHandle], header: dict, include_usage: bool, opening: list[dict],
+                  choice: Callable[[int, StreamDelta], dict | None]) -> AsyncIterator[str]:
+    if include_usage:  # OpenAI: every chunk carries usage, null until the last
+        header = {**header, "usage": None}
+    try:
+        for first in opening:
+            yield event({**header, "choices": [first]})
+        async for i, delta in merged(handles):
+            if delta.finish_reason == "error":
+                yield event(APIError(500, f"generation failed: {handles[i].error or 'engine error'}",
+                                     "server_error").body())
+                continue
+            chosen = choice(i, delta)
+            if chosen is not None:
+                yield event({**header, "choices": [chosen]})
+        if include_usage:
+            yield event({**header, "choices": [], "usage": usage([await h.wait() for h in handles])})
+        yield "data: [DONE]\n\n"
+    finally:  # Starlette cancels this generator when the client goes away
+        for handle in handles:
+            handle.cancel()
 
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:

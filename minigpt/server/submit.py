@@ -1,25 +1,17 @@
-"""An `EnginePlan` submitted to the engine, and its failures, as OpenAI errors: the HTTP endpoints and
-batch jobs (minigpt/batch.py) both submit through here."""
+"""An `EnginePlan` submitted to the engine, its refusals and failures as OpenAI errors (HTTP and batch jobs)."""
 
 from __future__ import annotations
 
 from minigpt.beam.params import BeamSearchParams
+from minigpt.common.errors import ParamError, as_param_error
 from minigpt.server.errors import APIError, invalid
-from minigpt.server.protocol import EnginePlan, params_error
+from minigpt.server.protocol import EnginePlan
 from minigpt.serving.async_engine import AsyncLLM, QueueFullError
 from minigpt.serving.request_handle import RequestHandle
 
 
 def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
-    """One engine request per prompt; all or none (a refused prompt cancels those already queued). Tokenizes
-    and may compile a grammar (up to seconds): callers on an event loop run it in a worker thread."""
-    try:
-        return _submit(llm, plan)
-    except APIError as err:
-        raise plan.named(err) from None
-
-
-def _submit(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
+    """One engine request per prompt, all or none; may compile a grammar: run it off the event loop."""
     prompts, params = plan.prompts, plan.params
     handles: list[RequestHandle] = []
     if len(prompts) > llm.config.max_waiting:  # a 503 would tell the client to retry in vain
@@ -32,12 +24,14 @@ def _submit(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
     except QueueFullError as err:
         raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError) as err:  # e.g. a logit_bias id past the vocab, a regex the grammar refuses
         where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
-        # e.g. a logit_bias id past the vocab, a regex the grammar library refuses
-        raise params_error(err, where, "prompt", plan.structured_param) from None
+        refused = as_param_error(err)
+        if isinstance(refused, ParamError):
+            raise plan.names.refusal(refused, where) from None
+        raise invalid(where + str(err), "prompt") from None
     except ImportError as err:  # structured outputs without their extra
-        raise APIError(400, str(err), param=plan.structured_param) from None
+        raise APIError(400, str(err), param=plan.names.structured) from None
     except RuntimeError as err:  # the engine is closed
         raise APIError(503, f"the engine is not running: {err}", "server_error") from None
     finally:

@@ -1,9 +1,5 @@
-"""vLLM's tokenizer endpoints: POST /tokenize, POST /detokenize, GET /tokenizer_info.
-
-lm-evaluation-harness's `local-completions` calls them (its RemoteTokenizer) to count and cut prompts
-with the server's own tokenizer; it picks that over loading a Hugging Face tokenizer by the model's name
-when /tokenizer_info answers with an `eos_token` and /tokenize with a list of `tokens`.
-"""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info, which lm-eval's RemoteTokenizer calls to count and cut
+prompts with the server's own tokenizer."""
 
 from __future__ import annotations
 
@@ -11,9 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minigpt.server.chat import ChatMessage, render_messages
-from minigpt.server.chat_template import ChatTemplate
+from minigpt.server.chat_template import ChatTemplate, render_messages
 from minigpt.server.errors import check_model, invalid
+from minigpt.server.protocol import ChatMessage
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 
@@ -50,8 +46,6 @@ class DetokenizeRequest(BaseModel):
 
 
 class Tokenization:
-    """The three endpoints over one tokenizer, serving `model_name` with a context of `max_model_len`;
-    `template` renders the chat form of /tokenize (without one, that form is a 400)."""
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  template: ChatTemplate | None = None) -> None:
@@ -81,8 +75,7 @@ class Tokenization:
             raise invalid(str(err), "tokens") from None
 
     def tokenizer_info(self) -> dict:
-        """vLLM answers with the tokenizer's tokenizer_config.json fields and its class; these are
-        transformers' for GPT-2 (<|endoftext|> is BOS, EOS and UNK; no padding token)."""
+        """vLLM's answer: the tokenizer_config.json fields transformers has for GPT-2."""
         tok = self.tokenizer
         eos = tok.token_text(tok.eos_token_id)
         return {
