@@ -24,7 +24,10 @@ NEG = -1.0e9  # transformers' score of an impossible beam
 
 
 class BeamGroup:
-    """The live beams and the best finished hypotheses of one prompt."""
+    """The live beams and the best finished hypotheses of one prompt: an engine request whose completions
+    are not streamed (its beams become completions only when it ends)."""
+
+    streams = False
 
     def __init__(self, request: Request, params: BeamSearchParams, eos_token_ids: tuple[int, ...],
                  tokenizer: Tokenizer) -> None:

@@ -1,9 +1,10 @@
-"""A request and what it returns: the prompt and its n sequences, and the outputs `LLM.generate` gives."""
+"""The interface every request kind shares, the sampled request, and the outputs `LLM.generate` gives."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from minigpt.engine.sequence import Sequence
 from minigpt.sampling import SamplingParams, TokenLogprobs
@@ -76,19 +77,41 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
+class EngineRequest(Protocol):
+    """What the engine, LLM and a RequestHandle need of a request, whatever its kind (sampled, beam search)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    streams: bool  # its sequences are its completions, streamed as they grow
+
+    @property
+    def seqs(self) -> list[Sequence]: ...  # those still live
+
+    @property
+    def finished(self) -> bool: ...
+
+    def output(self) -> Any: ...  # what LLM returns for it
+
+    def request_output(self) -> RequestOutput: ...  # what its RequestHandle carries
+
+
 @dataclass
 class Request:
-    """A prompt and its n sequences."""
+    """A prompt and its n sampled sequences."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    streams = True
 
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.seqs)
+
+    def request_output(self) -> RequestOutput:
+        return self.output()
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]

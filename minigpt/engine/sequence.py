@@ -1,11 +1,5 @@
-"""One request in flight: its tokens, its pages, its text so far and why it stopped.
-
-A `Sequence` owns its block table and knows how many of its tokens already have K/V in the
-pool (`num_computed_tokens`); the scheduler only moves that counter forward (or back to zero
-on preemption). Text is decoded incrementally as tokens arrive, stop strings are matched across
-token boundaries (one automaton, minigpt/engine/stop_strings.py), and the returned text ends before the
-first stop string completed, as OpenAI does.
-"""
+"""One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool), its text
+so far (ending before the first stop string, as OpenAI's does) and why it stopped."""
 
 from __future__ import annotations
 
@@ -13,14 +7,20 @@ import copy
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from minigpt.engine.stop_strings import stop_strings
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
-if TYPE_CHECKING:
-    from minigpt.structured.grammar import GrammarState
+
+class Grammar(Protocol):
+    """A structured output's state, advanced by every token appended."""
+
+    complete: bool  # satisfied, allowing nothing more but EOS
+    error: str
+
+    def advance(self, token_id: int) -> bool: ...  # False: the grammar refuses the token
 
 
 class Status(enum.Enum):
@@ -49,7 +49,7 @@ class Sequence:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
-        grammar: GrammarState | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,7 +81,7 @@ class Sequence:
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
         self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
-        self.grammar = grammar  # structured outputs: advanced by every token appended
+        self.grammar = grammar
         self._eos_ids = set(eos_token_ids)
 
     @property

@@ -22,11 +22,10 @@ from typing import Literal
 
 import torch
 
+from minigpt.assemble.engine import build_engine
 from minigpt.beam.params import BeamSearchParams
-from minigpt.beam.search import BeamGroup
 from minigpt.engine.config import EngineConfig
-from minigpt.engine.engine import Engine
-from minigpt.engine.request import Prompt, Request
+from minigpt.engine.request import Prompt
 from minigpt.sampling import SamplingParams
 from minigpt.serving.metrics import EngineMetrics, MetricsCollector
 from minigpt.serving.request_handle import RequestHandle
@@ -51,7 +50,7 @@ class AsyncLLM:
 
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs("AsyncLLM", engine_args)
-        self.engine = Engine(model, self.config)
+        self.engine = build_engine(model, self.config)
         self._metrics = MetricsCollector(self.engine.blocks.num_blocks)
         self.engine.on_step = lambda batch, _, num_tokens: self._metrics.record_step(len(batch.chunks), num_tokens)
         self._wakeup = threading.Condition()
@@ -90,19 +89,18 @@ class AsyncLLM:
                     f"{self.config.hung_step_seconds}")
         return self.engine.runner.problem()
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
-        """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
-        a full queue QueueFullError."""
-        self._check_open()
-        return self._enqueue(self.engine.make_request(prompt, SamplingParams() if params is None else params))
+    def submit(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None) -> RequestHandle:
+        """Queue a prompt (text or token ids) to sample or beam search, as `params` says; thread-safe. Bad
+        input raises ValueError/TypeError here, a full queue QueueFullError. A beam search's handle streams
+        nothing; its output's completions are the params.beam_width hypotheses, best first."""
+        return self._submit(prompt, SamplingParams() if params is None else params)
 
     def submit_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> RequestHandle:
-        """Queue a beam search, as `submit`; its handle streams nothing and its output's completions are the
-        params.beam_width hypotheses, best first."""
-        self._check_open()
-        return self._enqueue(self.engine.make_beam_request(prompt, params))
+        return self._submit(prompt, params, BeamSearchParams)
 
-    def _enqueue(self, request: Request | BeamGroup) -> RequestHandle:
+    def _submit(self, prompt: Prompt, params, kind: type | None = None) -> RequestHandle:
+        self._check_open()
+        request = self.engine.make_request(prompt, params, kind)
         handle = RequestHandle(request, self._request_cancel)
         with self._wakeup:
             self._check_open()

@@ -11,8 +11,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from minigpt.beam.search import BeamGroup
-from minigpt.engine.request import Request, RequestOutput
+from minigpt.engine.request import EngineRequest, RequestOutput
 from minigpt.sampling import TokenLogprobs
 
 
@@ -40,7 +39,7 @@ class RequestHandle:
     does. Leaving an iteration early (break, an exception, the awaiting task cancelled) cancels
     the request: its caller has gone away."""
 
-    def __init__(self, request: Request | BeamGroup, cancel: Callable[[RequestHandle], None]) -> None:
+    def __init__(self, request: EngineRequest, cancel: Callable[[RequestHandle], None]) -> None:
         self.request_id = request.request_id
         self.request = request  # the engine thread's: read it only from there
         self._cancel = cancel
@@ -136,12 +135,10 @@ class RequestHandle:
     # -- writing, from the engine thread ----------------------------------------------------------
 
     def collect(self) -> tuple[list[StreamDelta], RequestOutput | None]:
-        """New tokens and text of each completion since the last call; the output once finished. A beam
-        search has no deltas: its beams are not its completions until it ends."""
-        if isinstance(self.request, BeamGroup):
-            return [], self.request.request_output() if self.request.finished else None
+        """New tokens and text of each completion since the last call (none from a request that does not
+        stream); the output once finished."""
         deltas = []
-        for i, seq in enumerate(self.request.seqs):
+        for i, seq in enumerate(self.request.seqs if self.request.streams else ()):
             if self._sent_final[i]:
                 continue
             text = seq.take_text_delta()
@@ -152,7 +149,7 @@ class RequestHandle:
             if text or tokens or seq.finished:
                 deltas.append(StreamDelta(i, text, tokens, seq.finished, seq.finish_reason, logprobs))
                 self._sent_final[i] = seq.finished
-        return deltas, self.request.output() if self.request.finished else None
+        return deltas, self.request.request_output() if self.request.finished else None
 
     def publish(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
         """Hand `collect()`'s result to the readers and wake them."""
