@@ -15,14 +15,7 @@ from minigpt.sampling import SamplingParams
 
 
 class LLM:
-    """A GPT-2 engine: load once, then `generate` many prompts, continuously batched.
-
-        with LLM("gpt2") as llm:
-            outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
-
-    `model` is a hub id or a local checkpoint directory; the other arguments are the fields
-    of `EngineConfig` (documented there, with their defaults).
-    """
+    """A GPT-2 engine: `model` a hub id or a checkpoint directory, `engine_args` EngineConfig's fields."""
 
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs("LLM", engine_args)
@@ -37,10 +30,8 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); one output per prompt, in input order.
-
-        A progress line goes to stderr for long batches when stderr is a terminal (or when
-        `progress=True`; `False` turns it off)."""
+        """Complete every prompt (text or token ids); one output per prompt, in input order. `progress`: a
+        progress line on stderr (default: for long batches on a terminal)."""
         prompts = self._as_list(prompts)
         return self._run(prompts, self._params_for(prompts, params), SamplingParams, progress)
 
@@ -51,7 +42,6 @@ class LLM:
         return self._run(prompts, [params] * len(prompts), BeamSearchParams, False)
 
     def _run(self, prompts: list[Prompt], params: list, kind: type, progress: bool | None) -> list:
-        """Run one request of `kind` per prompt to its end; their outputs in input order."""
         with self._lock:
             self._check_open()
             requests = [self._make(i, p, sp, kind) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
@@ -75,9 +65,8 @@ class LLM:
             return [r.output() for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one completion as tokens are generated; never half a character,
-        never the start of a stop string that may still match. The deltas join to the final text.
-        Bad input raises here, before the first delta."""
+        """Text deltas of one completion as tokens are generated (never the start of a stop string that may
+        still match); bad input raises here, before the first delta."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() takes one completion: SamplingParams.n must be 1")
@@ -138,11 +127,10 @@ class LLM:
 
     @property
     def kv_cache_info(self) -> dict[str, int]:
-        """Pool size and use: blocks, tokens, bytes."""
         return self.engine.kv_cache_info()
 
     def close(self) -> None:
-        """Free the KV pool and the compiled steps. The LLM cannot be used afterwards."""
+        """Free the KV pool and the compiled steps."""
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -22,7 +22,6 @@ def plug_beam_search(engine: Engine) -> None:
 
 
 def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) -> BeamGroup:
-    """Validate and tokenize a beam-search prompt; raises ValueError naming the problem."""
     if engine.speculator is not None:
         raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
     params = replace(params)
@@ -50,8 +49,8 @@ class BeamStep:
             self._advance(beams, step.logits[self.engine.device_rows(rows)])
 
     def _advance(self, beams: list[Sequence], logits: torch.Tensor) -> None:
-        """Hand each beam its best next tokens (fp32 log_softmax over the model's whole vocabulary, as
-        transformers takes it, ids past the tokenizer's excluded); advance the groups that have all theirs."""
+        """Hand each beam its best next tokens (fp32 log_softmax over the whole vocabulary, as transformers
+        takes it); advance the groups that have all theirs."""
         engine = self.engine
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         logprobs[:, engine.vocab_limit :] = -torch.inf

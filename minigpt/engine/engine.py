@@ -32,7 +32,7 @@ class Engine:
         self.blocks = BlockManager(runner.pool.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids
-        # a checkpoint's embedding may be padded past the tokenizer (50304 rows)
+        # a checkpoint's embedding may be padded past the tokenizer
         self.vocab_limit = min(tokenizer.n_vocab, self.model_config.vocab_size)
         self.sampler = Sampler(self.vocab_limit, eos_token_ids)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_limit, eos_token_ids,
@@ -42,14 +42,10 @@ class Engine:
         self.requests: dict[int, EngineRequest] = {}  # added and not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
-        # stats hook: (batch, sequences that sampled, tokens they got)
         self.on_step: Callable[[ScheduledBatch, list[Sequence], int], None] | None = None
 
-    # -- requests -------------------------------------------------------------------------------
-
     def make_request(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
-        """The request of the kind `params` names (`kind`: the only params type taken); raises ValueError
-        naming a problem."""
+        """The request of the kind `params` names (`kind`: the only params type taken)."""
         return self.inputs.build(prompt, params, kind)
 
     def add(self, request: EngineRequest) -> None:
@@ -71,7 +67,6 @@ class Engine:
         return self.scheduler.has_work()
 
     def kv_cache_info(self) -> dict[str, int]:
-        """Pool size and use: blocks, tokens, bytes."""
         pool = self.runner.pool
         return {"num_blocks": self.blocks.num_blocks, "block_size": self.blocks.block_size,
                 "num_tokens": pool.num_tokens, "nbytes": pool.nbytes, "blocks_in_use": self.blocks.num_used}
@@ -79,13 +74,10 @@ class Engine:
     def num_running_requests(self) -> int:
         return len({seq.request_id for seq in self.scheduler.running})
 
-    # -- the step -------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that got a token this step, or finished scoring their prompt
-        (max_tokens=0). If the step fails, its requests fail (finish_reason "error", their pages freed)
-        and the error is raised."""
+        """Run one batch; returns the sequences that got a token or finished scoring their prompt. A step
+        that raises fails its requests (finish_reason "error") and raises."""
         batch = self.scheduler.schedule()
         if not batch.chunks:
             if self.scheduler.has_work():
@@ -156,7 +148,6 @@ class Engine:
                 step.updated.append(seq)
 
     def _sample(self, step: Step) -> None:
-        """Draw a token for every row left (a sequence's, then one per draft it verifies) and append them."""
         if not step.seqs:
             return
         logits = step.logits

@@ -60,7 +60,6 @@ class InputProcessor:
         return next(self._ids)
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
-        """Validate and tokenize a prompt; raises ValueError naming the problem."""
         params = replace(params)  # checked again (a field set after construction) and the request's own copy
         text, ids = self.prompt_ids(prompt)
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
@@ -92,7 +91,6 @@ class InputProcessor:
         return request
 
     def prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for ids) and token ids, each inside the vocabulary."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif (isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray))

@@ -14,7 +14,6 @@ Prompt = str | list[int]
 
 @dataclass
 class CompletionOutput:
-    """One completion of a prompt."""
 
     index: int
     token_ids: list[int]
@@ -25,8 +24,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Seconds: time in the queue, to the first token, and per output token after it. Speculative decoding,
-    over the request's completions: verification steps, tokens drafted, drafts accepted."""
+    """Seconds in the queue, to the first token and per output token after it; speculation's counters."""
 
     queue_time: float
     time_to_first_token: float
@@ -38,19 +36,16 @@ class RequestMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Drafted tokens the target accepted, as a fraction (None: nothing drafted)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def mean_accepted_tokens(self) -> float | None:
-        """Drafts accepted per verification step (None: no step verified drafts)."""
         return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt. `token_ids`, `text`, `finish_reason` and `logprobs` are
-    the first completion's (the only one unless SamplingParams.n > 1; all n are in `outputs`)."""
+    """What `LLM.generate` returns per prompt; `token_ids`, `text`... are the first of its `outputs`."""
 
     request_id: int
     prompt: str | None

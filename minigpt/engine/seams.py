@@ -16,8 +16,7 @@ from minigpt.sampling import GrammarMask, TokenLogprobs
 
 @dataclass
 class Step:
-    """One step's logits on their way to tokens. A feature's step takes the rows it consumes out of `seqs` and
-    `rows`, or sets the sampler's `grammar` mask; the sampler then picks for what is left."""
+    """One step's logits on their way to tokens: a feature's step takes its rows out, or sets `grammar`."""
 
     batch: ScheduledBatch
     inputs: StepInputs

@@ -60,7 +60,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings = Timings()
-        # pages
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
@@ -69,7 +68,6 @@ class Sequence:
         # speculation: tokens drafted for this step (verified after the last token), and counters
         self.draft_token_ids: list[int] = []
         self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
-        # output
         self.text = ""
         self.num_streamed_chars = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -101,7 +99,6 @@ class Sequence:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        """Add a sampled token and decide whether the sequence is done."""
         now = time.perf_counter()
         if self.timings.first_token is None:
             self.timings.first_token = now
@@ -145,7 +142,6 @@ class Sequence:
         self.timings.finished = time.perf_counter()
 
     def fail(self, message: str) -> None:
-        """End the sequence with an error (the engine frees its pages)."""
         self.error = message
         self._finish("error", "")
 
@@ -162,8 +158,7 @@ class Sequence:
         return delta
 
     def fork(self, block_table: list[int]) -> Sequence:
-        """A copy that goes on from here on its own (a beam search beam): same tokens and computed pages,
-        `block_table` holding the pages by shared reference."""
+        """A copy that goes on on its own, `block_table` sharing its pages by reference."""
         child = copy.copy(self)
         child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
         child.block_table = block_table
@@ -173,7 +168,7 @@ class Sequence:
         return child
 
     def preempt(self) -> None:
-        """Drop the pages (the block manager already took them back); recompute later."""
+        """Its pages taken back: recompute later."""
         self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
         self.draft_token_ids = []
         self.status = Status.WAITING

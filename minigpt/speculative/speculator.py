@@ -1,10 +1,7 @@
-"""Speculation plugged into the engine (its `Speculation` seam): drafts for the sequences about to decode,
-verified after sampling, k adapted per sequence.
+"""Speculation plugged into the engine: drafts for the sequences about to decode, verified after sampling.
 
-Each sequence drafts the k (0 to num_speculative_tokens) that maximizes the expected tokens per unit of
-work at its estimated acceptance a: (1 - a^(k+1)) / (1 - a) tokens for one target forward, k draft
-forwards (`draft_cost` each) and k verified rows. When no k pays, it probes again with one draft after a
-pause that doubles each time the probe fails.
+Each sequence drafts the k that maximizes (1 - a^(k+1)) / (1 - a) tokens, at its acceptance a, per unit of
+work; when no k pays, it probes with one draft after a pause that doubles each time the probe fails.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ PROBE_MARGIN = 0.05
 
 
 class _Adaptive:
-    """One sequence's acceptance estimate and drafting pause."""
-
     def __init__(self) -> None:
         self.acceptance = PRIOR_ACCEPTANCE
         self.pause = 0  # decode steps left without drafts
@@ -53,8 +48,7 @@ class Speculator:
         self._probe_acceptance = min(self.draft_cost + VERIFY_COST_PER_TOKEN + PROBE_MARGIN, PRIOR_ACCEPTANCE)
 
     def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
-        """The step's chunks with drafts added to its decodes (`draft_token_ids` set), within the step's token
-        budget and the free pages: speculation never preempts a sequence."""
+        """The step's chunks with drafts added to its decodes, within the token budget and the free pages."""
         budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
         seqs, ks = [], []
         for seq, chunk in chunks:
@@ -108,8 +102,7 @@ class Speculator:
     sampling_rows = staticmethod(sampling_rows)
 
     def verify(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None:
-        """Append the draws that confirm seq's drafts (one row per draft, plus one), roll the K/V of the rejected
-        drafts back and return the pages past the need."""
+        """Keep the draws that confirm seq's drafts; roll the rejected drafts' K/V back, return spare pages."""
         num_drafts = len(seq.draft_token_ids)
         self.record(seq, num_drafts, accept(seq, tokens, logprobs))
         seq.draft_token_ids = []
@@ -120,7 +113,6 @@ class Speculator:
         self.blocks.shrink(seq.block_table, len(seq.token_ids))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Account one verification of seq: per request counters and its acceptance estimate."""
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
@@ -132,7 +124,6 @@ class Speculator:
                 state.next_pause = FIRST_PAUSE
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished sequence and return its draft pages."""
         self._adaptive.pop(seq, None)
         if self.draft_model is not None:
             self.draft_model.release(seq)
