@@ -26,7 +26,7 @@ def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) ->
         raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
     params = replace(params)
     # each beam runs as a sequence that never stops by itself: the group decides where beams end
-    request = engine.inputs.make_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+    request = engine.inputs.sampled_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
     group = BeamGroup(request, params, engine.eos_token_ids, engine.tokenizer)
     per_beam = group.num_candidates // params.beam_width
     vocab = engine.vocab_limit

@@ -46,7 +46,7 @@ class Engine:
 
     def make_request(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
         """The request of the kind `params` names (`kind`: the only params type taken)."""
-        return self.inputs.build(prompt, params, kind)
+        return self.inputs.make_request(prompt, params, kind)
 
     def add(self, request: EngineRequest) -> None:
         self.requests[request.request_id] = request

@@ -25,11 +25,18 @@ class Grammars(Protocol):
         """Compile params.structured_outputs (ValueError for a bad one); returns a maker of one state per sequence."""
 
 
-def check_context(prompt_len: int, max_tokens: int, n_positions: int) -> None:
-    """The one check of a request's length against the model's context; ValueError when it does not fit."""
+def check_context(prompt_len: int, max_tokens: int | None, n_positions: int) -> int:
+    """The one check of a request's length against the model's context: its max_tokens (None: the rest of the
+    context); ValueError when it does not fit."""
+    if max_tokens is None:
+        if prompt_len >= n_positions:
+            raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in the model's context of "
+                             f"{n_positions} tokens")
+        return n_positions - prompt_len
     if prompt_len + max_tokens > n_positions:
         raise ValueError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model's context "
                          f"of {n_positions} tokens (n_positions)")
+    return max_tokens
 
 
 class InputProcessor:
@@ -40,26 +47,23 @@ class InputProcessor:
         self.config, self.tokenizer = config, tokenizer
         self.vocab_limit, self.eos_token_ids, self.n_positions = vocab_limit, eos_token_ids, n_positions
         self.blocks, self.pool_tokens = blocks, pool_tokens
-        self.builders: dict[type, Callable[[Prompt, Any], EngineRequest]] = {SamplingParams: self.make_request}
+        self.builders: dict[type, Callable[[Prompt, Any], EngineRequest]] = {SamplingParams: self.sampled_request}
         self.grammars: Grammars | None = None
         self._ids = itertools.count()  # next() is atomic: requests are made in any thread
 
     def register(self, kind: type, builder: Callable[[Prompt, Any], EngineRequest]) -> None:
         self.builders[kind] = builder
 
-    def build(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
+    def make_request(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
         """The request `params` asks for (`kind`: the one params type the caller takes)."""
         kinds = [kind] if kind is not None else list(self.builders)
         for known in kinds:
-            if isinstance(params, known):
+            if isinstance(params, known) and known in self.builders:
                 return self.builders[known](prompt, params)
         names = " or ".join(k.__name__ for k in kinds)
         raise TypeError(f"params must be {names}, got {type(params).__name__}")
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def sampled_request(self, prompt: Prompt, params: SamplingParams) -> Request:
         params = replace(params)  # checked again (a field set after construction) and the request's own copy
         text, ids = self.prompt_ids(prompt)
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
@@ -82,7 +86,7 @@ class InputProcessor:
             if self.grammars is None:
                 raise ValueError("this engine has no structured outputs plugged in")
             grammar = self.grammars.prepare(params)  # a bad grammar is refused here
-        request = Request(self.next_id(), text, ids, params)
+        request = Request(next(self._ids), text, ids, params)
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
