@@ -6,27 +6,20 @@ import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
+from minigpt.assemble.engine import build_engine
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
 from minigpt.common.progress import Progress
 from minigpt.engine.config import EngineConfig
-from minigpt.engine.engine import Engine
-from minigpt.engine.request import Prompt, Request, RequestOutput
+from minigpt.engine.request import EngineRequest, Prompt, Request, RequestOutput
 from minigpt.sampling import SamplingParams
 
 
 class LLM:
-    """A GPT-2 engine: load once, then `generate` many prompts, continuously batched.
-
-        with LLM("gpt2") as llm:
-            outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
-
-    `model` is a hub id or a local checkpoint directory; the other arguments are the fields
-    of `EngineConfig` (documented there, with their defaults).
-    """
+    """A GPT-2 engine: `model` a hub id or a checkpoint directory, `engine_args` EngineConfig's fields."""
 
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs("LLM", engine_args)
-        self.engine = Engine(model, self.config)
+        self.engine = build_engine(model, self.config)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.RLock()  # re-entrant: generate() inside a stream() loop must not deadlock
         self._closed = False
@@ -37,15 +30,21 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); one output per prompt, in input order.
-
-        A progress line goes to stderr for long batches when stderr is a terminal (or when
-        `progress=True`; `False` turns it off)."""
+        """Complete every prompt (text or token ids); one output per prompt, in input order. `progress`: a
+        progress line on stderr (default: for long batches on a terminal)."""
         prompts = self._as_list(prompts)
-        param_list = self._params_for(prompts, params)
+        return self._run(prompts, self._params_for(prompts, params), SamplingParams, progress)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search each prompt (text or token ids), all continuously batched; per prompt, in input order,
+        its `params.beam_width` hypotheses, best first, as transformers' beam search ranks them."""
+        prompts = self._as_list(prompts)
+        return self._run(prompts, [params] * len(prompts), BeamSearchParams, False)
+
+    def _run(self, prompts: list[Prompt], params: list, kind: type, progress: bool | None) -> list:
         with self._lock:
             self._check_open()
-            requests = [self._make(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, param_list, strict=True))]
+            requests = [self._make(i, p, sp, kind) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
             bar = Progress(len(requests), enabled=progress)
             for request in requests:
                 self.engine.add(request)
@@ -65,39 +64,14 @@ class LLM:
                 bar.close()
             return [r.output() for r in requests]
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search each prompt (text or token ids), all continuously batched; per prompt, in input order,
-        its `params.beam_width` hypotheses, best first, as transformers' beam search ranks them."""
-        prompts = self._as_list(prompts)
-        with self._lock:
-            self._check_open()
-            groups = []
-            for index, prompt in enumerate(prompts):
-                try:
-                    groups.append(self.engine.make_beam_request(prompt, params))
-                except ValueError as err:
-                    raise ValueError(f"prompt {index}: {err}") from None
-            for group in groups:
-                self.engine.add(group)
-            try:
-                while not all(group.finished for group in groups):
-                    self.engine.step()
-            except BaseException:
-                for group in groups:
-                    self.engine.abort(group)
-                raise
-            return [group.output() for group in groups]
-
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one completion as tokens are generated; never half a character,
-        never the start of a stop string that may still match. The deltas join to the final text.
-        Bad input raises here, before the first delta."""
+        """Text deltas of one completion as tokens are generated (never the start of a stop string that may
+        still match); bad input raises here, before the first delta."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() takes one completion: SamplingParams.n must be 1")
         self._check_open()
-        request = self.engine.make_request(prompt, params)
-        return self._stream(request)
+        return self._stream(self.engine.make_request(prompt, params, SamplingParams))
 
     def _stream(self, request: Request) -> Iterator[str]:
         seq = request.seqs[0]
@@ -117,9 +91,9 @@ class LLM:
             finally:
                 self.engine.abort(request)
 
-    def _make(self, index: int, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make(self, index: int, prompt: Prompt, params, kind: type) -> EngineRequest:
         try:
-            return self.engine.make_request(prompt, params)
+            return self.engine.make_request(prompt, params, kind)
         except ValueError as err:
             raise ValueError(f"prompt {index}: {err}") from None
 
@@ -153,11 +127,10 @@ class LLM:
 
     @property
     def kv_cache_info(self) -> dict[str, int]:
-        """Pool size and use: blocks, tokens, bytes."""
         return self.engine.kv_cache_info()
 
     def close(self) -> None:
-        """Free the KV pool and the compiled steps. The LLM cannot be used afterwards."""
+        """Free the KV pool and the compiled steps."""
         with self._lock:
             if not self._closed:
                 self._closed = True

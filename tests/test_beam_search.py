@@ -152,7 +152,7 @@ def test_beams_batch_with_ordinary_requests(llm):
     beams_alone = [[s.token_ids for s in out.sequences] for out in llm.beam_search(PROMPTS, beam_params)]
     generated_alone = [out.token_ids for out in llm.generate(PROMPTS[:2], sampling)]
     engine = llm.engine
-    groups = [engine.make_beam_request(p, beam_params) for p in PROMPTS]
+    groups = [engine.make_request(p, beam_params) for p in PROMPTS]
     requests = [engine.make_request(p, sp) for p, sp in zip(PROMPTS[:2], sampling, strict=True)]
     for request in [groups[0], requests[0], groups[1], groups[2], requests[1], groups[3]]:
         engine.add(request)
@@ -169,13 +169,13 @@ def test_beams_batch_with_ordinary_requests(llm):
 
 def test_abort_returns_every_page(llm):
     engine = llm.engine
-    group = engine.make_beam_request(PROMPTS[3], BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS))
+    group = engine.make_request(PROMPTS[3], BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS))
     engine.add(group)
     for _ in range(4):
         engine.step()
     assert len(group.seqs) > 1
     engine.abort(group)
-    assert not engine.beam_groups
+    assert not engine.requests
     assert_all_free(llm)
 
 
@@ -294,7 +294,7 @@ def test_a_failed_step_fails_the_whole_beam_search_and_the_engine_goes_on(tiny_c
 
         def flaky(inputs):
             stepping = set(map(id, inputs.sample_seqs))
-            beams = [s for s in engine.scheduler.running if s.request_id in engine.beam_groups]
+            beams = [s for s in engine.scheduler.running if s.request_id in engine.requests]
             if beam_left_out == "idle":
                 left_out = [s for s in beams if not s.num_uncomputed_tokens]
             else:
@@ -312,5 +312,5 @@ def test_a_failed_step_fails_the_whole_beam_search_and_the_engine_goes_on(tiny_c
         engine.runner.run = run
         after = llm.submit("Hello", SamplingParams(max_tokens=4, temperature=0)).result(timeout=120)
         assert after.outputs[0].finish_reason == "length"
-        assert not engine.beam_groups and not engine.has_work()
+        assert not engine.requests and not engine.has_work()
         assert engine.kv_cache_info()["blocks_in_use"] == 0

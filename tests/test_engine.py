@@ -513,3 +513,14 @@ def test_allowed_ids_that_min_tokens_holds_back_are_refused(tiny_checkpoint):
         out = llm.generate("hi", SamplingParams(max_tokens=3, allowed_token_ids=[42, 50256], min_tokens=2))[0]
         assert out.token_ids[:2] == [42, 42]
         assert_all_free(llm)
+
+
+def test_check_context_gives_the_tokens_a_request_may_generate():
+    from minigpt.engine.input_processor import check_context
+
+    assert check_context(5, 5, 10) == 5
+    assert check_context(5, None, 10) == 5  # the rest of the context
+    with pytest.raises(ValueError, match=r"prompt of 5 tokens \+ max_tokens=6 exceeds the model's context of 10"):
+        check_context(5, 6, 10)
+    with pytest.raises(ValueError, match="a prompt of 10 tokens leaves no room in the model's context of 10"):
+        check_context(10, None, 10)

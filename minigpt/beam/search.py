@@ -1,11 +1,7 @@
-"""A beam-search request: live beams the scheduler runs as ordinary decodes, and the hypotheses they finish.
+"""A beam-search request: live beams run as ordinary decodes, and the hypotheses they finish.
 
-Each step, once every live beam has its next-token logprobs, the group picks the next beams as
-transformers' `_beam_search` does (same candidates, same tensor ops, so the same ties): the top
-(1 + number of EOS ids) * beam_width continuations of all beams, of which those ending in EOS or at
-max_tokens are offered to the finished hypotheses (only among the first beam_width) and the best
-beam_width others live on. A beam picked twice is forked: its pages are shared by reference count and
-copied on write; a beam not picked is pruned and its pages go back at once.
+Each step picks the next beams as transformers' `_beam_search` does (same candidates, same tensor ops,
+so the same ties). A beam picked twice is forked, its pages shared and copied on write.
 """
 
 from __future__ import annotations
@@ -24,7 +20,9 @@ NEG = -1.0e9  # transformers' score of an impossible beam
 
 
 class BeamGroup:
-    """The live beams and the best finished hypotheses of one prompt."""
+    """The live beams and the best finished hypotheses of one prompt; nothing streams until it ends."""
+
+    streams = False
 
     def __init__(self, request: Request, params: BeamSearchParams, eos_token_ids: tuple[int, ...],
                  tokenizer: Tokenizer) -> None:
@@ -52,7 +50,6 @@ class BeamGroup:
 
     @property
     def seqs(self) -> list[Sequence]:
-        """The live beams, each once (none when done)."""
         return [] if self.done else list({id(beam): beam for beam in self.beams}.values())
 
     @property
@@ -60,15 +57,12 @@ class BeamGroup:
         return self.done or any(seq.finished for seq in self.seqs)
 
     def receive(self, beam: Sequence, logprobs: torch.Tensor, token_ids: torch.Tensor) -> bool:
-        """Store a beam's best next tokens (at least num_candidates, fp32 logprobs and their ids, best first,
-        on the CPU); True once every live beam has its own."""
+        """Store a beam's best next tokens (on the CPU); True once every live beam has its own."""
         self.pending[id(beam)] = logprobs[: self.num_candidates], token_ids[: self.num_candidates]
         return all(id(beam) in self.pending for beam in self.beams)
 
     def advance(self, top_scores: torch.Tensor, parents: list[int], tokens: list[int], scheduler: Scheduler) -> None:
-        """One beam-search step from the best continuations of all beams, best first (`advance_all` finds
-        them): offer finished hypotheses, then fork, extend and prune the beams (or end the search, pruning
-        them all)."""
+        """One step from the best continuations of all beams: offer finished hypotheses, then extend the beams."""
         k, es, lp, max_tokens = self.params.beam_width, self.early_stopping, self.params.length_penalty, \
             self.params.max_tokens
         self.pending.clear()
@@ -95,7 +89,6 @@ class BeamGroup:
 
     def _offer(self, top_scores: torch.Tensor, hits: torch.Tensor, parents: list[int], tokens: list[int],
                length: int) -> None:
-        """Merge the candidates among the first beam_width that just finished into the finished hypotheses."""
         k, lp = self.params.beam_width, self.params.length_penalty
         just_finished = hits.clone()
         just_finished[k:] = False
@@ -117,8 +110,7 @@ class BeamGroup:
         self.finished_flags = torch.cat((self.finished_flags, just_finished))[merged]
 
     def _extend(self, picks: list[tuple[Sequence, int]], scheduler: Scheduler) -> None:
-        """The next beams: a parent's first pick continues it, a later one forks it (pages shared); parents
-        not picked are pruned."""
+        """A parent's first pick continues it, a later one forks it; parents not picked are pruned."""
         continued: set[int] = set()
         beams = []
         for parent, _ in picks:
@@ -153,8 +145,7 @@ class BeamGroup:
         return BeamSearchOutput(self.request_id, self.prompt, self.prompt_token_ids, sequences)
 
     def request_output(self) -> RequestOutput:
-        """The hypotheses as completions, best first, with the request's timings: what a RequestHandle
-        carries. A search that was aborted or failed has one empty completion saying so."""
+        """The hypotheses as completions, best first (aborted or failed: one empty completion saying so)."""
         if self.done:
             outputs = [CompletionOutput(i, s.token_ids, s.text, s.finish_reason)
                        for i, s in enumerate(self.output().sequences)]
@@ -172,8 +163,7 @@ class BeamGroup:
 
 
 def advance_all(groups: list[BeamGroup], scheduler: Scheduler) -> None:
-    """Advance groups that have every beam's best tokens. The best continuations of a group, by logprob +
-    beam score, are among its beams' own best num_candidates: one batched top-k over those per width."""
+    """Advance groups that have every beam's best tokens: one batched top-k per (width, candidates)."""
     by_shape: dict[tuple[int, int], list[BeamGroup]] = {}
     for group in groups:
         by_shape.setdefault((group.params.beam_width, group.num_candidates), []).append(group)

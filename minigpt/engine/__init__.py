@@ -1,12 +1,15 @@
 """The engine: requests in, one step at a time: schedule -> run -> postprocess.
 
-    engine.py       Engine: the step loop, request building, postprocessing
-    config.py       EngineConfig: every setting, its default and its help (CLI flags come from it)
-    scheduler.py    continuous batching: which sequences run next and how many tokens each
-    sequence.py     one sequence in flight: tokens, pages, text so far, why it stopped
-    request.py      a request's sequences and the outputs LLM.generate returns
-    kv_cache.py     the paged KV pool and the block manager (prefix cache)
-    runner.py       ModelRunner: a scheduled batch laid out flat, run through the model
-    cuda_graphs.py  decode steps captured as CUDA graphs at a ladder of batch sizes
-    stop_strings.py stop strings matched as text arrives (Aho-Corasick)
+    engine.py            Engine: the step loop and its postprocess
+    input_processor.py   requests checked and built (the one context check)
+    seams.py             what features plug in: postprocess steps, speculation
+    config.py            EngineConfig: every setting, its default and its help (CLI flags come from it)
+    speculative_config.py  the speculative_config dict, checked
+    scheduler.py         continuous batching: which sequences run next and how many tokens each
+    sequence.py          one sequence in flight: tokens, pages, text so far, why it stopped
+    request.py           the interface of every request kind, the sampled request, its outputs
+    kv_cache.py          the paged KV pool and the block manager (prefix cache)
+    runner.py            ModelRunner: a scheduled batch laid out flat, run through the model
+    cuda_graphs.py       decode steps captured as CUDA graphs at a ladder of batch sizes
+    stop_strings.py      stop strings matched as text arrives (Aho-Corasick)
 """

@@ -7,9 +7,9 @@ from typing import Any
 
 from minigpt.common.errors import Named, ParamError
 from minigpt.common.torch_support import check_torch_for
+from minigpt.engine.speculative_config import SpeculativeConfig
 from minigpt.model.attention import INVARIANT_KEYS
 from minigpt.model.weights import resolve_dtype
-from minigpt.speculative.config import SpeculativeConfig
 
 QUANTIZATIONS = ("int8", "w8a8")  # the modes of minigpt/quant/quantize.py
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # names the CLI offers; LLM also takes aliases

@@ -1,9 +1,10 @@
-"""A request and what it returns: the prompt and its n sequences, and the outputs `LLM.generate` gives."""
+"""The interface every request kind shares, the sampled request, and the outputs `LLM.generate` gives."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from minigpt.engine.sequence import Sequence
 from minigpt.sampling import SamplingParams, TokenLogprobs
@@ -13,7 +14,6 @@ Prompt = str | list[int]
 
 @dataclass
 class CompletionOutput:
-    """One completion of a prompt."""
 
     index: int
     token_ids: list[int]
@@ -24,8 +24,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Seconds: time in the queue, to the first token, and per output token after it. Speculative decoding,
-    over the request's completions: verification steps, tokens drafted, drafts accepted."""
+    """Seconds in the queue, to the first token and per output token after it; speculation's counters."""
 
     queue_time: float
     time_to_first_token: float
@@ -37,19 +36,16 @@ class RequestMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Drafted tokens the target accepted, as a fraction (None: nothing drafted)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def mean_accepted_tokens(self) -> float | None:
-        """Drafts accepted per verification step (None: no step verified drafts)."""
         return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt. `token_ids`, `text`, `finish_reason` and `logprobs` are
-    the first completion's (the only one unless SamplingParams.n > 1; all n are in `outputs`)."""
+    """What `LLM.generate` returns per prompt; `token_ids`, `text`... are the first of its `outputs`."""
 
     request_id: int
     prompt: str | None
@@ -76,19 +72,41 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
+class EngineRequest(Protocol):
+    """What the engine, LLM and a RequestHandle need of a request, whatever its kind (sampled, beam search)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    streams: bool  # its sequences are its completions, streamed as they grow
+
+    @property
+    def seqs(self) -> list[Sequence]: ...  # those still live
+
+    @property
+    def finished(self) -> bool: ...
+
+    def output(self) -> Any: ...  # what LLM returns for it
+
+    def request_output(self) -> RequestOutput: ...  # what its RequestHandle carries
+
+
 @dataclass
 class Request:
-    """A prompt and its n sequences."""
+    """A prompt and its n sampled sequences."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    streams = True
 
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.seqs)
+
+    def request_output(self) -> RequestOutput:
+        return self.output()
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]

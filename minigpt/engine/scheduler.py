@@ -1,13 +1,8 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every sequence is handled the same way: it has tokens whose K/V are not in the pool yet (a
-prompt, a prompt chunk, a recomputation after preemption, or the one token sampled last step)
-and the step computes some of them. Running sequences go first, oldest first; then waiting
-ones are admitted while `max_num_seqs`, the token budget and free blocks allow. When blocks run
-out, the newest running sequence is preempted: its pages are freed and it waits to be
-recomputed, so the pool running dry delays requests instead of failing them. A beam search beam
-that has its logits waits, computing nothing, for its siblings; a block it shares with one is copied
-before the step writes into it.
+Every sequence has tokens whose K/V are not in the pool yet (a prompt, a chunk of one, a recomputation
+after preemption, the token sampled last step): running ones go first, then waiting ones are admitted.
+When blocks run out the newest running sequence is preempted and waits to be recomputed.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ from minigpt.engine.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: (sequence, number of tokens to compute) in batch order, and the blocks to copy
-    (source, destination) before it runs."""
+    """One step's (sequence, tokens to compute) in batch order, and the (source, destination) blocks to copy."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -64,8 +58,7 @@ class Scheduler:
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Grow seq's pages to `num_tokens` (copying a shared block it writes into), preempting newer
-        sequences while blocks are short."""
+        """Grow seq's pages to `num_tokens`, preempting newer sequences while blocks are short."""
         first = seq.num_computed_tokens
         while not self.blocks.can_allocate(
             self.blocks.blocks_needed(num_tokens) - len(seq.block_table) + self.blocks.shares(seq.block_table, first)
@@ -120,14 +113,13 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """A fork of `parent` (beam search) joins it: running, or waiting right behind it."""
+        """A fork of `parent` joins it: running, or waiting right behind it."""
         if parent.status is Status.RUNNING:
             self.running.append(child)
         else:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished (or aborted, or failed) sequence out and return its pages."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -1,11 +1,5 @@
-"""One request in flight: its tokens, its pages, its text so far and why it stopped.
-
-A `Sequence` owns its block table and knows how many of its tokens already have K/V in the
-pool (`num_computed_tokens`); the scheduler only moves that counter forward (or back to zero
-on preemption). Text is decoded incrementally as tokens arrive, stop strings are matched across
-token boundaries (one automaton, minigpt/engine/stop_strings.py), and the returned text ends before the
-first stop string completed, as OpenAI does.
-"""
+"""One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool), its text
+so far (ending before the first stop string, as OpenAI's does) and why it stopped."""
 
 from __future__ import annotations
 
@@ -13,14 +7,20 @@ import copy
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from minigpt.engine.stop_strings import stop_strings
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
 
-if TYPE_CHECKING:
-    from minigpt.structured.grammar import GrammarState
+
+class Grammar(Protocol):
+    """A structured output's state, advanced by every token appended."""
+
+    complete: bool  # satisfied, allowing nothing more but EOS
+    error: str
+
+    def advance(self, token_id: int) -> bool: ...  # False: the grammar refuses the token
 
 
 class Status(enum.Enum):
@@ -49,7 +49,7 @@ class Sequence:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
-        grammar: GrammarState | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,7 +60,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings = Timings()
-        # pages
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
@@ -69,7 +68,6 @@ class Sequence:
         # speculation: tokens drafted for this step (verified after the last token), and counters
         self.draft_token_ids: list[int] = []
         self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
-        # output
         self.text = ""
         self.num_streamed_chars = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -81,7 +79,7 @@ class Sequence:
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
         self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
-        self.grammar = grammar  # structured outputs: advanced by every token appended
+        self.grammar = grammar
         self._eos_ids = set(eos_token_ids)
 
     @property
@@ -101,7 +99,6 @@ class Sequence:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        """Add a sampled token and decide whether the sequence is done."""
         now = time.perf_counter()
         if self.timings.first_token is None:
             self.timings.first_token = now
@@ -145,7 +142,6 @@ class Sequence:
         self.timings.finished = time.perf_counter()
 
     def fail(self, message: str) -> None:
-        """End the sequence with an error (the engine frees its pages)."""
         self.error = message
         self._finish("error", "")
 
@@ -162,8 +158,7 @@ class Sequence:
         return delta
 
     def fork(self, block_table: list[int]) -> Sequence:
-        """A copy that goes on from here on its own (a beam search beam): same tokens and computed pages,
-        `block_table` holding the pages by shared reference."""
+        """A copy that goes on on its own, `block_table` sharing its pages by reference."""
         child = copy.copy(self)
         child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
         child.block_table = block_table
@@ -173,7 +168,7 @@ class Sequence:
         return child
 
     def preempt(self) -> None:
-        """Drop the pages (the block manager already took them back); recompute later."""
+        """Its pages taken back: recompute later."""
         self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
         self.draft_token_ids = []
         self.status = Status.WAITING

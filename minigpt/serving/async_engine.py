@@ -1,15 +1,10 @@
 """AsyncLLM: one engine thread serving many callers, from threads or asyncio tasks, at once.
 
-    llm = AsyncLLM("gpt2")
-    handle = llm.submit("Hello", SamplingParams(max_tokens=32))   # any thread, or asyncio code
+    handle = llm.submit("Hello", SamplingParams(max_tokens=32))   # any thread
     for delta in handle: ...          # or: async for delta in handle / handle.result() / await handle.wait()
 
-`submit` validates and tokenizes in the caller's thread, then drops the request into an inbox.
-The engine thread alone touches the engine (scheduler, KV pool, model): between two steps it
-drains the inbox (new requests, cancellations), so requests join the running batch as they
-arrive; after a step it hands each request's new tokens and text to its `RequestHandle`, whose
-readers it wakes (a condition for threads, `call_soon_threadsafe` for event loops). When there
-is no work the thread sleeps on a condition.
+Callers validate and tokenize in their own thread and drop requests into an inbox; only the engine
+thread touches the engine, draining the inbox between steps and waking each handle's readers after one.
 """
 
 from __future__ import annotations
@@ -22,11 +17,10 @@ from typing import Literal
 
 import torch
 
+from minigpt.assemble.engine import build_engine
 from minigpt.beam.params import BeamSearchParams
-from minigpt.beam.search import BeamGroup
 from minigpt.engine.config import EngineConfig
-from minigpt.engine.engine import Engine
-from minigpt.engine.request import Prompt, Request
+from minigpt.engine.request import Prompt
 from minigpt.sampling import SamplingParams
 from minigpt.serving.metrics import EngineMetrics, MetricsCollector
 from minigpt.serving.request_handle import RequestHandle
@@ -43,15 +37,12 @@ Command = Literal["add", "cancel"]
 
 
 class AsyncLLM:
-    """A GPT-2 engine on its own daemon thread, shared by any number of threads and asyncio tasks.
-
-    `model` and `engine_args` are those of `LLM` (the fields of `EngineConfig`); `max_waiting`
-    bounds the requests not yet running: beyond it `submit` raises QueueFullError at once.
-    Also a context manager; `close()` ends pending requests with finish_reason "abort"."""
+    """A GPT-2 engine on its own daemon thread. `model` and `engine_args` are those of `LLM`; beyond
+    max_waiting requests not yet running, `submit` raises QueueFullError."""
 
     def __init__(self, model: str, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs("AsyncLLM", engine_args)
-        self.engine = Engine(model, self.config)
+        self.engine = build_engine(model, self.config)
         self._metrics = MetricsCollector(self.engine.blocks.num_blocks)
         self.engine.on_step = lambda batch, _, num_tokens: self._metrics.record_step(len(batch.chunks), num_tokens)
         self._wakeup = threading.Condition()
@@ -69,17 +60,14 @@ class AsyncLLM:
 
     @property
     def kv_cache_info(self) -> dict[str, int]:
-        """Pool size and use, as `LLM.kv_cache_info` (a snapshot: the engine thread may be mid-step)."""
         return self.engine.kv_cache_info()
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread serves requests (False after close() or a crash of its loop)."""
         return not self._closed and self._thread.is_alive()
 
     def problem(self) -> str | None:
-        """Why this engine cannot serve requests now (for a health check); None while it can: stopped, its
-        thread ended by an error, a step running past hung_step_seconds, a tensor-parallel rank gone."""
+        """Why this engine cannot serve requests now (for a health check); None while it can."""
         if self._loop_error is not None:
             return f"the engine thread failed: {self._loop_error}"
         if not self.is_running:
@@ -90,19 +78,16 @@ class AsyncLLM:
                     f"{self.config.hung_step_seconds}")
         return self.engine.runner.problem()
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
-        """Queue a prompt (text or token ids); thread-safe. Bad input raises ValueError/TypeError here,
-        a full queue QueueFullError."""
-        self._check_open()
-        return self._enqueue(self.engine.make_request(prompt, SamplingParams() if params is None else params))
+    def submit(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None) -> RequestHandle:
+        """Queue a prompt to sample or beam search, as `params` says; thread-safe. Bad input raises here."""
+        return self._submit(prompt, SamplingParams() if params is None else params)
 
     def submit_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> RequestHandle:
-        """Queue a beam search, as `submit`; its handle streams nothing and its output's completions are the
-        params.beam_width hypotheses, best first."""
-        self._check_open()
-        return self._enqueue(self.engine.make_beam_request(prompt, params))
+        return self._submit(prompt, params, BeamSearchParams)
 
-    def _enqueue(self, request: Request | BeamGroup) -> RequestHandle:
+    def _submit(self, prompt: Prompt, params, kind: type | None = None) -> RequestHandle:
+        self._check_open()
+        request = self.engine.make_request(prompt, params, kind)
         handle = RequestHandle(request, self._request_cancel)
         with self._wakeup:
             self._check_open()
@@ -114,7 +99,6 @@ class AsyncLLM:
         return handle
 
     def metrics(self) -> EngineMetrics:
-        """A snapshot of the engine-wide counters (see minigpt.serving.metrics)."""
         return self._metrics.snapshot()
 
     def close(self) -> None:
@@ -140,8 +124,6 @@ class AsyncLLM:
                 self._inbox.append(("cancel", handle))
                 self._wakeup.notify()
 
-    # -- the engine thread ------------------------------------------------------------------------
-
     def _run(self) -> None:
         try:
             with torch.inference_mode():  # grad mode is per thread
@@ -161,7 +143,6 @@ class AsyncLLM:
             self.engine.close()
 
     def _serve_once(self) -> bool:
-        """Take the inbox, run one step; False once closed."""
         with self._wakeup:
             self._wakeup.wait_for(lambda: self._inbox or self._closed or self.engine.has_work())
             commands, closing = list(self._inbox), self._closed
@@ -182,7 +163,7 @@ class AsyncLLM:
         return True
 
     def _step(self) -> list[RequestHandle]:
-        """Run one step; returns the handles with news. A failing step fails its requests only."""
+        """Run one step; returns the handles with news."""
         self._step_started = time.monotonic()
         try:
             sampled = self.engine.step()

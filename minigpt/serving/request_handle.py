@@ -1,7 +1,4 @@
-"""A submitted request as its callers see it: `RequestHandle` (deltas, result, cancel) and `StreamDelta`.
-
-Callers read from their own threads or event loops; the engine thread writes (`collect`, `publish`).
-"""
+"""A submitted request as its callers see it (`RequestHandle`: deltas, result, cancel) and `StreamDelta`."""
 
 from __future__ import annotations
 
@@ -11,19 +8,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from minigpt.beam.search import BeamGroup
-from minigpt.engine.request import Request, RequestOutput
+from minigpt.engine.request import EngineRequest, RequestOutput
 from minigpt.sampling import TokenLogprobs
 
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one completion (`index`, for SamplingParams.n > 1) gained since the last delta.
-
-    `text` never ends in half a character nor in the start of a stop string that may still match;
-    a completion's deltas join to its final text. The last delta of a completion has
-    `finished=True` and its finish_reason: stop | length | abort | error. With
-    SamplingParams.logprobs set, `logprobs` holds one TokenLogprobs per token of `token_ids`."""
+    """What completion `index` gained since its last delta; its deltas' text joins to its final text, its
+    last has `finished=True` and the finish_reason (stop | length | abort | error)."""
 
     index: int
     text: str
@@ -34,13 +26,10 @@ class StreamDelta:
 
 
 class RequestHandle:
-    """A submitted request: read its deltas (blocking or `async for`), wait for its output, or cancel it.
+    """Read a request's deltas (blocking or `async for`), wait for its output, or cancel it. Leaving an
+    iteration early cancels the request: its caller has gone away."""
 
-    Deltas are consumed by whoever iterates; `result()` and `wait()` work whether or not anyone
-    does. Leaving an iteration early (break, an exception, the awaiting task cancelled) cancels
-    the request: its caller has gone away."""
-
-    def __init__(self, request: Request | BeamGroup, cancel: Callable[[RequestHandle], None]) -> None:
+    def __init__(self, request: EngineRequest, cancel: Callable[[RequestHandle], None]) -> None:
         self.request_id = request.request_id
         self.request = request  # the engine thread's: read it only from there
         self._cancel = cancel
@@ -66,7 +55,6 @@ class RequestHandle:
         return next((seq.error for seq in self.request.seqs if seq.error), None)
 
     def cancel(self) -> None:
-        """Ask the engine to stop this request at its next step; idempotent, any thread."""
         with self._lock:
             if self._cancelled or self._output is not None:
                 return
@@ -110,8 +98,7 @@ class RequestHandle:
             return self._output
 
     async def wait(self) -> RequestOutput:
-        """The output, without blocking the event loop. Cancelling the awaiting task cancels the
-        request too (wrap in `asyncio.shield` to keep it running)."""
+        """The output, without blocking the event loop; cancelling the awaiting task cancels the request."""
         try:
             while True:
                 with self._lock:
@@ -136,12 +123,9 @@ class RequestHandle:
     # -- writing, from the engine thread ----------------------------------------------------------
 
     def collect(self) -> tuple[list[StreamDelta], RequestOutput | None]:
-        """New tokens and text of each completion since the last call; the output once finished. A beam
-        search has no deltas: its beams are not its completions until it ends."""
-        if isinstance(self.request, BeamGroup):
-            return [], self.request.request_output() if self.request.finished else None
+        """New tokens and text of each streamed completion since the last call; the output once finished."""
         deltas = []
-        for i, seq in enumerate(self.request.seqs):
+        for i, seq in enumerate(self.request.seqs if self.request.streams else ()):
             if self._sent_final[i]:
                 continue
             text = seq.take_text_delta()
@@ -152,10 +136,9 @@ class RequestHandle:
             if text or tokens or seq.finished:
                 deltas.append(StreamDelta(i, text, tokens, seq.finished, seq.finish_reason, logprobs))
                 self._sent_final[i] = seq.finished
-        return deltas, self.request.output() if self.request.finished else None
+        return deltas, self.request.request_output() if self.request.finished else None
 
     def publish(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
-        """Hand `collect()`'s result to the readers and wake them."""
         with self._lock:
             self._deltas.extend(deltas)
             self._output = output

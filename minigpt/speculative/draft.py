@@ -1,11 +1,5 @@
-"""A draft model driven alongside the target: its own runner, KV pool and block tables.
-
-Each target sequence has a `DraftSequence` mirroring its tokens in the draft's pool. A step drafts k
-tokens greedily in k draft forwards, all sequences batched: the first catches the draft up on the
-tokens it has not computed (a new prompt, the tokens the target accepted or sampled), the others
-decode one token each. K/V computed for drafts the target rejected are rolled back before the next
-proposal, and a sequence whose draft pages run short simply gets no draft this step.
-"""
+"""A draft model beside the target, with its own runner, KV pool and block tables: k greedy drafts in k
+batched forwards, its K/V of rejected drafts rolled back before the next proposal."""
 
 from __future__ import annotations
 

@@ -1,25 +1,20 @@
-"""The engine's side of speculation: drafts for the sequences about to decode, k adapted per sequence.
+"""Speculation plugged into the engine: drafts for the sequences about to decode, verified after sampling.
 
-Each sequence keeps an estimate of how often its drafts are accepted and drafts the k (0 to
-num_speculative_tokens) that maximizes the tokens gained per unit of work: a step with k drafts is
-expected to emit (1 - a^(k+1)) / (1 - a) tokens at acceptance a, and costs one target forward plus
-k draft forwards (`draft_cost` each) plus the k extra verified rows (`VERIFY_COST_PER_TOKEN` each).
-When no k beats plain decoding, the sequence stops drafting and probes again with one draft after a
-pause that doubles each time the probe fails.
+Each sequence drafts the k that maximizes (1 - a^(k+1)) / (1 - a) tokens, at its acceptance a, per unit of
+work; when no k pays, it probes with one draft after a pause that doubles each time the probe fails.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from minigpt.engine.config import EngineConfig
+from minigpt.engine.engine import Engine
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.sequence import Sequence
-from minigpt.speculative.config import SpeculativeConfig
+from minigpt.engine.speculative_config import SpeculativeConfig
+from minigpt.sampling import TokenLogprobs
 from minigpt.speculative.ngram import ngram_draft
+from minigpt.speculative.verify import accept, sampling_rows
 from minigpt.tokenizer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # engine_config imports this package to check speculative_config
-    from minigpt.engine.config import EngineConfig
 
 PRIOR_ACCEPTANCE = 0.7  # a new sequence's estimate: optimistic, so speculation is tried first
 SMOOTHING = 0.3  # weight of the latest step in the acceptance estimate
@@ -29,8 +24,6 @@ PROBE_MARGIN = 0.05
 
 
 class _Adaptive:
-    """One sequence's acceptance estimate and drafting pause."""
-
     def __init__(self) -> None:
         self.acceptance = PRIOR_ACCEPTANCE
         self.pause = 0  # decode steps left without drafts
@@ -41,8 +34,8 @@ class Speculator:
     """Proposes drafts (n-gram lookup or a draft model) and learns per sequence how many pay off."""
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, tokenizer: Tokenizer,
-                 vocab_limit: int, num_kv_tokens: int, target_params: int) -> None:
-        self.config = config
+                 vocab_limit: int, blocks: BlockManager, num_kv_tokens: int, target_params: int) -> None:
+        self.config, self.blocks = config, blocks
         self.draft_model = None
         self.draft_cost = 0.0  # one draft forward, in target forwards
         if config.method == "draft_model":
@@ -54,10 +47,8 @@ class Speculator:
         # just above the break-even of one draft: (1 + a) tokens for 1 + draft_cost + VERIFY_COST_PER_TOKEN
         self._probe_acceptance = min(self.draft_cost + VERIFY_COST_PER_TOKEN + PROBE_MARGIN, PRIOR_ACCEPTANCE)
 
-    def draft(self, chunks: list[tuple[Sequence, int]], blocks: BlockManager,
-              max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
-        """The step's chunks with drafts added to its decodes (`draft_token_ids` set), within the step's token
-        budget and the free pages: speculation never preempts a sequence."""
+    def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
+        """The step's chunks with drafts added to its decodes, within the token budget and the free pages."""
         budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
         seqs, ks = [], []
         for seq, chunk in chunks:
@@ -78,6 +69,7 @@ class Speculator:
             c = self.config
             drafts = [ngram_draft(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
                       for seq, k in zip(seqs, ks, strict=True)]
+        blocks = self.blocks
         for seq, draft in zip(seqs, drafts, strict=True):
             spare = len(seq.block_table) + len(blocks.free)
             draft = draft[: spare * blocks.block_size - len(seq.token_ids)]
@@ -107,8 +99,20 @@ class Speculator:
                 best, best_gain = k, gain
         return best
 
+    sampling_rows = staticmethod(sampling_rows)
+
+    def verify(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        """Keep the draws that confirm seq's drafts; roll the rejected drafts' K/V back, return spare pages."""
+        num_drafts = len(seq.draft_token_ids)
+        self.record(seq, num_drafts, accept(seq, tokens, logprobs))
+        seq.draft_token_ids = []
+        if seq.finished:
+            return
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # the last token's K/V is computed next step
+        self.blocks.register_full_blocks(seq)
+        self.blocks.shrink(seq.block_table, len(seq.token_ids))
+
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Account one verification of seq: per request counters and its acceptance estimate."""
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
@@ -120,7 +124,6 @@ class Speculator:
                 state.next_pause = FIRST_PAUSE
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished sequence and return its draft pages."""
         self._adaptive.pop(seq, None)
         if self.draft_model is not None:
             self.draft_model.release(seq)
@@ -128,3 +131,12 @@ class Speculator:
     def close(self) -> None:
         if self.draft_model is not None:
             self.draft_model.close()
+
+
+def plug_speculation(engine: Engine) -> None:
+    """The speculator engine.config.speculative_config asks for (a draft model loads here)."""
+    runner = engine.runner
+    engine.speculator = Speculator(
+        SpeculativeConfig.parse(engine.config.speculative_config), engine.config, engine.tokenizer,
+        engine.vocab_limit, engine.blocks, runner.pool.num_tokens, sum(p.numel() for p in runner.model.parameters()),
+    )

@@ -1,15 +1,8 @@
-"""Verification: which drafted tokens the target keeps, in one sampler call over every verified row.
+"""Verification in one sampler call: row j of a sequence with drafts d draws as if d[:j] were generated (its
+seeded draw keyed by its own position); the longest run of draws equal to d is kept, plus the next draw.
 
-Row j of a sequence with drafts d is the target's distribution after d[:j]; the sampler draws each row's
-token as if d[:j] had been generated (penalties and min_tokens over them, the seeded draw keyed by the
-row's own position). The sequence keeps the longest run of rows whose draw equals the draft, plus the
-first draw that differs (or the bonus row after the last draft).
-
-That is rejection sampling with a one-hot draft distribution q (both proposers draft deterministically):
-d[j] is kept with probability p(d[j]) = min(1, p/q), and a rejected row's draw is p conditioned on not
-d[j], which is the normalized residual max(0, p - q). Each emitted token is the draw the same seed gives
-at that position without speculation, so seeded requests stay reproducible, batch-independent, and
-equal to the same request run without speculation (greedy: the argmax, token for token).
+That is rejection sampling with a one-hot draft distribution, so a seeded request emits what it would
+without speculation (greedy: the argmax, token for token).
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ class DraftRow:
         self.seed = seq.seed
         self.prompt_token_ids = seq.prompt_token_ids
         self.output_token_ids = seq.output_token_ids + seq.draft_token_ids[:num_drafts]
-        self.grammar = None  # a sequence with structured outputs drafts nothing (Speculator.draft)
 
 
 def sampling_rows(seqs: list[Sequence]) -> list:
@@ -39,8 +31,7 @@ def sampling_rows(seqs: list[Sequence]) -> list:
 
 
 def accept(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> int:
-    """Append the target's draws while they confirm the drafts (one row per draft, plus one); returns how many
-    drafts were accepted. Stops at a stop token, a stop string or max_tokens like any append."""
+    """Append the target's draws while they confirm the drafts; returns how many drafts were accepted."""
     drafts = seq.draft_token_ids
     accepted = 0
     for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):

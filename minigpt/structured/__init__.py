@@ -1,4 +1,5 @@
 """Structured output (`structured_outputs`, `response_format`) on llguidance (`minigpt[structured]`).
 
     grammar.py  grammars compiled once per constraint, a matcher per sequence, bitmasks per step
+    plug.py     structured output plugged into the engine: grammars at request building, the sampler's mask
 """

@@ -1,9 +1,5 @@
-"""Structured output on llguidance (the optional extra `minigpt[structured]`): grammars compiled once per
-constraint, one matcher per sequence, and the token bitmasks of a batch filled together.
-
-llguidance was chosen over xgrammar by the numbers in scripts/PERFORMANCE.md. Its tokenizer is built
-from minigpt's (each id's bytes, EOS a special token) once per Tokenizer.
-"""
+"""Structured output on llguidance: grammars compiled once per constraint, one matcher per sequence, and a
+batch's token bitmasks filled together (why llguidance: scripts/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
@@ -15,19 +11,16 @@ from typing import Any
 
 import torch
 
+from minigpt.common.errors import ParamError
 from minigpt.sampling.bitmask import bitmask_of, bitmask_words
 from minigpt.sampling.structured import StructuredOutputsParams
 from minigpt.tokenizer.tokenizer import Tokenizer
 
-# JSON without whitespace between tokens: a weak model cannot spend its tokens on it. Overrides the
-# schema's own "x-guidance" options.
+# JSON without whitespace between tokens, which a weak model could spend its tokens on
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MISSING_EXTRA = "structured outputs need llguidance: pip install minigpt[structured]"
-# In the last quarter of its max_tokens (at least this many tokens), a JSON output takes a closing token
-# where its grammar allows one: on weak or random weights a string or a number would otherwise run until
-# max_tokens and leave JSON that does not parse. The tiers, first allowed one wins: a quote that ends a
-# string (with brackets after it); brackets that end arrays and objects; a comma that ends a number
-# before a required member.
+# In the last quarter of its max_tokens, a JSON output takes the first closing tier its grammar allows, so
+# weak weights still leave JSON that parses: a quote ending a string, brackets, a comma ending a number.
 MIN_CLOSING_TOKENS = 16
 CLOSING_TOKENS_PER_MEMBER = 6  # a schema's member takes up to ~6 tokens to write (`,"`, its name, `":`, a value)
 CLOSING_TIERS = (
@@ -47,7 +40,7 @@ def _llguidance() -> Any:
 
 
 class _TokenizerView:
-    """What llguidance's TokenizerWrapper reads from a tokenizer: the bytes of every id, and encode."""
+    """What llguidance's TokenizerWrapper reads from a tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.eos_token_id = tokenizer.eos_token_id
@@ -77,9 +70,8 @@ class GrammarCompiler:
         self._executor = self._llg.LLExecutor(max(1, torch.get_num_threads()))
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """llguidance's grammar for `params`; ValueError naming the field when it is not a valid one, or when
-        it fails on its first token (a lexer or parser past llguidance's limits: a regex like a{1000}{1000},
-        a choice among thousands). Takes up to seconds for a large grammar: call it off an event loop."""
+        """llguidance's grammar for `params`; ParamError when it is not valid or fails on its first token.
+        Slow for a large grammar: call it off an event loop."""
         key = params.key
         with self._lock:
             grammar = self._grammars.get(key)
@@ -87,17 +79,16 @@ class GrammarCompiler:
             grammar = self._grammar(params)
             error = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
             if error:
-                raise ValueError(f"StructuredOutputsParams.{params.kind} is not valid: {error.strip()}")
+                raise ParamError("StructuredOutputsParams", params.kind, f"is not valid: {error.strip()}")
             error = self._first_token_error(grammar)
             if error:
-                raise ValueError(f"StructuredOutputsParams.{params.kind} cannot be generated: {error}")
+                raise ParamError("StructuredOutputsParams", params.kind, f"cannot be generated: {error}")
             with self._lock:
                 self._grammars[key] = grammar
         return grammar
 
     def _first_token_error(self, grammar: str) -> str | None:
-        """Why a matcher of `grammar` fails to compute its first mask or to take a token it allows, if it does:
-        llguidance finds its limits there, not when it validates the grammar."""
+        """Why a matcher of `grammar` fails on its first mask or token (where llguidance finds its limits)."""
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         mask = matcher.compute_bitmask()
         first = next((i for i, byte in enumerate(mask) if byte), None)
@@ -115,14 +106,14 @@ class GrammarCompiler:
             try:
                 return m.grammar_from_json_schema(schema, overrides=COMPACT_JSON)
             except ValueError as err:
-                raise ValueError(f"StructuredOutputsParams.json is not valid: {err}") from None
+                raise ParamError("StructuredOutputsParams", "json", f"is not valid: {err}") from None
         if params.regex is not None:
             return m.grammar_from_regex(params.regex)
         if params.choice is not None:  # Lark string literals are JSON strings
             most = self._llg.LLParserLimits().max_items_in_row - 1  # the parser's row holds every option and one more
             if len(params.choice) > most:
-                raise ValueError(f"StructuredOutputsParams.choice has {len(params.choice)} options; llguidance's "
-                                 f"parser can generate at most {most}")
+                raise ParamError("StructuredOutputsParams", "choice", f"has {len(params.choice)} options; "
+                                 f"llguidance's parser can generate at most {most}")
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
         return m.grammar_from_lark(params.grammar)
 
@@ -135,8 +126,7 @@ class GrammarCompiler:
         return GrammarState(self, matcher, closing_window)
 
     def fill(self, states: Sequence[GrammarState], tokens_left: Sequence[int]) -> torch.Tensor:
-        """int32 bitmask [len(states), words]: the tokens each state allows next, filled in parallel; a JSON
-        state with `tokens_left` in its closing window allows only its first closing tier that it allows."""
+        """int32 bitmask [len(states), words]: the tokens each state allows next, filled in parallel."""
         bitmask = torch.empty(len(states), self.words, dtype=torch.int32)
         self._llg.torch.fill_next_token_bitmask_par(
             self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
@@ -152,14 +142,12 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One sequence's place in its grammar."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any, closing_window: int = 0) -> None:
         self.compiler, self.matcher = compiler, matcher
         self.closing_window = closing_window  # tokens left from which a JSON output prefers to close
 
     def advance(self, token_id: int) -> bool:
-        """Consume a sampled token; False if the grammar does not allow it (the state is then an error)."""
         return self.matcher.consume_token(token_id)
 
     @property
@@ -169,7 +157,7 @@ class GrammarState:
 
     @property
     def error(self) -> str:
-        return first_line(self.matcher.get_error())  # the rest is ~1 KB of parser state
+        return first_line(self.matcher.get_error())  # the rest is parser state
 
 
 def first_line(error: str) -> str:
@@ -188,11 +176,10 @@ def _num_members(schema: Any) -> int:
 
 @functools.lru_cache(maxsize=4)
 def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
-    """One compiler per tokenizer (building llguidance's takes ~1 s); a Tokenizer is never modified."""
+    """One compiler per tokenizer (building llguidance's is slow); a Tokenizer is never modified."""
     return GrammarCompiler(tokenizer)
 
 
 def fill_bitmask(states: Sequence[GrammarState], tokens_left: Sequence[int]) -> torch.Tensor:
-    """int32 bitmask [len(states), words] of the tokens each state allows next (states of one tokenizer),
-    given each one's tokens left before max_tokens."""
+    """int32 bitmask [len(states), words] of the tokens each state allows next (states of one tokenizer)."""
     return states[0].compiler.fill(states, tokens_left)

@@ -1,10 +1,4 @@
-"""What `speculative_config` may say, checked when the engine config is built.
-
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    {"method": "draft_model", "model": "path/or/hub-id", "num_speculative_tokens": 4}
-
-plus "adaptive": false to draft k tokens every step, whatever the acceptance.
-"""
+"""What `speculative_config` may say, checked when the engine config is built (speculative/ runs it)."""
 
 from __future__ import annotations
 

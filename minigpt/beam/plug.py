@@ -1,0 +1,63 @@
+"""Beam search plugged into the engine: groups built from BeamSearchParams, their rows taken from each step."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from minigpt.beam.params import BeamSearchParams
+from minigpt.beam.search import BeamGroup, advance_all
+from minigpt.engine.engine import Engine
+from minigpt.engine.request import Prompt
+from minigpt.engine.seams import Step
+from minigpt.engine.sequence import Sequence
+from minigpt.sampling import SamplingParams
+
+
+def plug_beam_search(engine: Engine) -> None:
+    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine))
+    engine.steps.append(BeamStep(engine))
+
+
+def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) -> BeamGroup:
+    if engine.speculator is not None:
+        raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
+    params = replace(params)
+    # each beam runs as a sequence that never stops by itself: the group decides where beams end
+    request = engine.inputs.sampled_request(prompt, SamplingParams(max_tokens=params.max_tokens, ignore_eos=True))
+    group = BeamGroup(request, params, engine.eos_token_ids, engine.tokenizer)
+    per_beam = group.num_candidates // params.beam_width
+    vocab = engine.vocab_limit
+    if group.num_candidates > vocab:  # each step ranks num_candidates tokens of every beam
+        raise ValueError(f"BeamSearchParams.beam_width must be at most {vocab // per_beam} (a step ranks "
+                         f"{per_beam} x beam_width of the {vocab} tokens), got {params.beam_width}")
+    return group
+
+
+class BeamStep:
+    """Takes the beams' rows out of a step (one row each: beams never draft) and advances their groups."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __call__(self, step: Step) -> None:
+        requests = self.engine.requests
+        beams, rows = step.take(lambda seq: isinstance(requests.get(seq.request_id), BeamGroup))
+        if beams:
+            self._advance(beams, step.logits[self.engine.device_rows(rows)])
+
+    def _advance(self, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """Hand each beam its best next tokens (fp32 log_softmax over the whole vocabulary, as transformers
+        takes it); advance the groups that have all theirs."""
+        engine = self.engine
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs[:, engine.vocab_limit :] = -torch.inf
+        groups = [engine.requests[beam.request_id] for beam in beams]
+        best, ids = logprobs.topk(max(group.num_candidates for group in groups), dim=-1)
+        ready = []
+        for beam, group, row_best, row_ids in zip(beams, groups, best.cpu(), ids.cpu(), strict=True):
+            if group.receive(beam, row_best, row_ids) and group not in ready:
+                ready.append(group)
+        advance_all(ready, engine.scheduler)

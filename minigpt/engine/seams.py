@@ -1,0 +1,59 @@
+"""What features plug into the step through: postprocess steps over a step's logits, and speculation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from minigpt.engine.runner import StepInputs
+from minigpt.engine.scheduler import ScheduledBatch
+from minigpt.engine.sequence import Sequence
+from minigpt.sampling import GrammarMask, TokenLogprobs
+
+
+@dataclass
+class Step:
+    """One step's logits on their way to tokens: a feature's step takes its rows out, or sets `grammar`."""
+
+    batch: ScheduledBatch
+    inputs: StepInputs
+    logits: torch.Tensor
+    seqs: list[Sequence]  # the sequences still to sample, in row order
+    rows: list[int]  # their logits rows: one each, plus one per draft it verifies
+    updated: list[Sequence] = field(default_factory=list)  # what Engine.step returns
+    grammar: GrammarMask | None = None
+
+    def take(self, claim: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[int]]:
+        """Take out the sequences `claim` picks; returns them and their rows."""
+        taken: tuple[list[Sequence], list[int]] = ([], [])
+        kept: tuple[list[Sequence], list[int]] = ([], [])
+        row = 0
+        for seq in self.seqs:
+            n = 1 + len(seq.draft_token_ids)
+            seqs, rows = taken if claim(seq) else kept
+            seqs.append(seq)
+            rows += self.rows[row : row + n]
+            row += n
+        self.seqs, self.rows = kept
+        return taken
+
+
+PostprocessStep = Callable[[Step], None]
+
+
+class Speculation(Protocol):
+    """Drafts added before the runner lays a step out, verified once the sampler has drawn every row."""
+
+    def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
+        ...
+
+    def sampling_rows(self, seqs: list[Sequence]) -> list: ...  # one per logits row
+
+    def verify(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...  # seq finished
+
+    def close(self) -> None: ...
