@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import Field, fields
 from typing import NoReturn
 
-from minigpt.common.errors import Named, ParamError, as_param_error
+from minigpt.common.errors import Named, ParamError
 from minigpt.common.version import __version__
 from minigpt.engine.config import EngineConfig, error_line
 
@@ -72,7 +72,6 @@ def engine_args_from(args: argparse.Namespace) -> dict:
 
 def flag_error_line(err: BaseException, flags: Mapping[str, str] | None = None) -> str:
     """`error_line(err)`, its fields named by their flags (the engine's and `flags`, field -> flag)."""
-    err = as_param_error(err)
     if not isinstance(err, ParamError):
         return error_line(err)
     names = engine_flags() | dict(flags or {})

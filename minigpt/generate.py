@@ -6,13 +6,12 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
 from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
-from minigpt.common.errors import ParamError, as_param_error
+from minigpt.common.errors import ParamError
 from minigpt.common.progress import log_to_stderr
 from minigpt.engine.request import RequestOutput
 from minigpt.llm import LLM
@@ -151,11 +150,11 @@ def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int
     try:
         return complete()
     except ValueError as err:
-        refused = re.match(r"prompt (\d+): ", str(err))
-        if refused is None:
+        index = getattr(err, "prompt_index", None)
+        if index is None:
             raise
-        cause = as_param_error(ValueError(str(err)[refused.end() :]))
-        where = "" if line_numbers is None else f"line {line_numbers[int(refused.group(1))]} of {args.prompts_file}: "
+        cause = err.cause
+        where = "" if line_numbers is None else f"line {line_numbers[index]} of {args.prompts_file}: "
         raise cause.at(where) if isinstance(cause, ParamError) else ValueError(where + str(cause)) from None
 
 

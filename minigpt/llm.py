@@ -8,6 +8,7 @@ from collections.abc import Sequence as SequenceABC
 
 from minigpt.assemble.engine import build_engine
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
+from minigpt.common.errors import ParamError
 from minigpt.common.progress import Progress
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.request import EngineRequest, Prompt, Request, RequestOutput
@@ -95,7 +96,10 @@ class LLM:
         try:
             return self.engine.make_request(prompt, params, kind)
         except ValueError as err:
-            raise ValueError(f"prompt {index}: {err}") from None
+            where = f"prompt {index}: "
+            refused = err.at(where) if isinstance(err, ParamError) else ValueError(where + str(err))
+            refused.prompt_index, refused.cause = index, err  # a front end may name the prompt its own way
+            raise refused from None
 
     @staticmethod
     def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:

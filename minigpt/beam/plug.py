@@ -9,6 +9,7 @@ import torch
 
 from minigpt.beam.params import BeamSearchParams
 from minigpt.beam.search import BeamGroup, advance_all
+from minigpt.common.errors import ParamError
 from minigpt.engine.engine import Engine
 from minigpt.engine.request import Prompt
 from minigpt.engine.seams import Step
@@ -31,7 +32,7 @@ def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) ->
     per_beam = group.num_candidates // params.beam_width
     vocab = engine.vocab_limit
     if group.num_candidates > vocab:  # each step ranks num_candidates tokens of every beam
-        raise ValueError(f"BeamSearchParams.beam_width must be at most {vocab // per_beam} (a step ranks "
+        raise ParamError("BeamSearchParams", "beam_width", f"must be at most {vocab // per_beam} (a step ranks "
                          f"{per_beam} x beam_width of the {vocab} tokens), got {params.beam_width}")
     return group
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,19 +49,3 @@ class ParamError(ValueError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.owner, self.field, self.problem)
-
-
-# The engine's request checks still raise plain text naming a field ("SamplingParams.stop has ...",
-# "prompt of 3 tokens + max_tokens=500 exceeds ..."); until they raise ParamError, this reads one back.
-_OWNED = re.compile(r"(SamplingParams|BeamSearchParams|StructuredOutputsParams)\.(\w+) (.*)", re.S)
-_CONTEXT = re.compile(r"prompt( of \d+ tokens \+ )max_tokens=(\d+)(.*)", re.S)
-
-
-def as_param_error(err: Exception) -> Exception:
-    if isinstance(err, ParamError) or not isinstance(err, ValueError):
-        return err
-    if owned := _OWNED.match(str(err)):
-        return ParamError(owned[1], owned[2], owned[3])
-    if context := _CONTEXT.match(str(err)):
-        return ParamError("", "prompt", (Named("prompt"), context[1], Named("max_tokens", int(context[2])), context[3]))
-    return err

@@ -9,7 +9,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from typing import Any, Protocol
 
-from minigpt.common.errors import ParamError
+from minigpt.common.errors import Named, ParamError
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.request import EngineRequest, Prompt, Request
@@ -27,15 +27,15 @@ class Grammars(Protocol):
 
 def check_context(prompt_len: int, max_tokens: int | None, n_positions: int) -> int:
     """The one check of a request's length against the model's context: its max_tokens (None: the rest of the
-    context); ValueError when it does not fit."""
+    context); ParamError (on the prompt) when it does not fit."""
     if max_tokens is None:
         if prompt_len >= n_positions:
-            raise ValueError(f"a prompt of {prompt_len} tokens leaves no room in the model's context of "
-                             f"{n_positions} tokens")
+            raise ParamError("", "prompt", ("a ", Named("prompt"), f" of {prompt_len} tokens leaves no room in the "
+                                            f"model's context of {n_positions} tokens"))
         return n_positions - prompt_len
     if prompt_len + max_tokens > n_positions:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_tokens={max_tokens} exceeds the model's context "
-                         f"of {n_positions} tokens (n_positions)")
+        raise ParamError("", "prompt", (Named("prompt"), f" of {prompt_len} tokens + ", Named("max_tokens", max_tokens),
+                                        f" exceeds the model's context of {n_positions} tokens (n_positions)"))
     return max_tokens
 
 

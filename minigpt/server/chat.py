@@ -10,6 +10,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
+from minigpt.common.errors import ParamError
+from minigpt.engine.input_processor import check_context
 from minigpt.engine.request import RequestOutput
 from minigpt.sampling import TokenLogprobs
 from minigpt.server.chat_template import ChatTemplate, render_messages
@@ -41,12 +43,15 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_completion_tokens or max_tokens, not both", "max_tokens")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if max_tokens is None and len(prompt) >= context:  # the default, the rest of the context, is nothing
-            raise invalid(f"the messages make a prompt of {len(prompt)} tokens, which leaves no room in the model's "
-                          f"context of {context} tokens", "messages")
+        if max_tokens is None:  # the default: the rest of the context
+            try:
+                max_tokens = check_context(len(prompt), None, context)
+            except ParamError:
+                raise invalid(f"the messages make a prompt of {len(prompt)} tokens, which leaves no room in the "
+                              f"model's context of {context} tokens", "messages") from None
         fields = {name: getattr(self, name) for name in SamplingFields.model_fields}  # passed on unchanged
         return CompletionRequest.model_construct(
-            prompt=prompt, max_tokens=context - len(prompt) if max_tokens is None else max_tokens,
+            prompt=prompt, max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None, **fields)
 
 

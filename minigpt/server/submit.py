@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from minigpt.beam.params import BeamSearchParams
-from minigpt.common.errors import ParamError, as_param_error
+from minigpt.common.errors import ParamError
 from minigpt.server.errors import APIError, invalid
 from minigpt.server.protocol import EnginePlan
 from minigpt.serving.async_engine import AsyncLLM, QueueFullError
@@ -26,9 +26,8 @@ def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
                        headers={"Retry-After": "1"}) from None
     except (ValueError, TypeError) as err:  # e.g. a logit_bias id past the vocab, a regex the grammar refuses
         where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
-        refused = as_param_error(err)
-        if isinstance(refused, ParamError):
-            raise plan.names.refusal(refused, where) from None
+        if isinstance(err, ParamError):
+            raise plan.names.refusal(err, where) from None
         raise invalid(where + str(err), "prompt") from None
     except ImportError as err:  # structured outputs without their extra
         raise APIError(400, str(err), param=plan.names.structured) from None
