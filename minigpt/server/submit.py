@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from minigpt.beam.params import BeamSearchParams
 from minigpt.common.errors import ParamError
 from minigpt.server.errors import APIError, invalid
 from minigpt.server.protocol import EnginePlan
@@ -17,10 +16,9 @@ def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
     if len(prompts) > llm.config.max_waiting:  # a 503 would tell the client to retry in vain
         raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
                       f"{llm.config.max_waiting} (max_waiting)", "prompt")
-    submit = llm.submit_beam_search if isinstance(params, BeamSearchParams) else llm.submit
     try:
         for prompt in prompts:
-            handles.append(submit(prompt, params))
+            handles.append(llm.submit(prompt, params))
     except QueueFullError as err:
         raise APIError(503, f"the server is overloaded: {err}", "server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
