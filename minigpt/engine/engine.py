@@ -68,7 +68,7 @@ class Engine:
         if config.speculative_config is not None:
             self.speculator = Speculator(
                 SpeculativeConfig.parse(config.speculative_config), config, self.tokenizer, self.vocab_limit,
-                self.runner.pool.num_tokens, sum(p.numel() for p in self.runner.model.parameters()),
+                self.runner.pool.num_tokens, sum(p.numel() for p in self.runner.model.parameters()), build_runner,
             )
         self._ids = itertools.count()  # next() is atomic: make_request may run in any thread
         self.beam_groups: dict[int, BeamGroup] = {}  # request id -> its beam search

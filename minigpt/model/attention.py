@@ -1,27 +1,55 @@
-"""Attention, as the one layer loop of `GPT2.run` calls it: `attention(layer, q, k, v) -> y`, with q, k, v
-(N, H, D) for the N tokens of the step and y (N, H * D).
-
-One class for each way a forward attends:
-- `CausalAttention`: a (B, T) batch among its own tokens, no cache (the plain `model(input_ids)`).
-- `PagedAttention`: an engine step over the paged pool: stores the step's K/V, then each prompt chunk
-  through SDPA and the decodes through the backend chosen at start (attention_backends.py).
-- `PoolAttention`: the pure form the compiled decode runs (compiled.py). It never writes the pool:
-  the step returns the new K/V, which the caller stores.
-
-A step is a flat batch of tokens: first the prompt chunks being prefilled (one segment per sequence),
-then one token per decoding sequence. `StepMetadata` says where each token's K/V goes and which pages
-each query reads.
+"""How a forward's tokens attend, as `GPT2.run`'s layer loop calls it: `attention(layer, q, k, v) -> y`, q, k, v
+(N, H, D) for the step's N tokens, y (N, H * D). A step is a flat batch: the prompt chunks, then one token
+per decoding sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from minigpt.common.transfer import to_device
+
+
+def attention_inputs(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block up to its attention: residual stream (N, C) -> q, k, v (N, nh, hs)."""
+    return block.attn.qkv(block.ln_1(x).to(block.dtype))
+
+
+def attention_outputs(block, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A block after its attention: stream x and attention output y (N, C) -> the next stream."""
+    return block.add_mlp(x + block.attn.c_proj(y))
+
+
+Halves = tuple[Callable, Callable]
+EAGER_HALVES: Halves = (attention_inputs, attention_outputs)
+
+
+class Attention:
+    """`block` runs one block of the layer loop around this attention through `halves` (compiled programs in
+    a compiled engine); `head` the final norm and LM head. A compiled decode overrides both."""
+
+    halves: Halves = EAGER_HALVES
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block(self, layer: int, block, x: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """x (N, C) -> the next x; only `rows` go on past the attention (the last layer's logits rows)."""
+        before, after = self.halves
+        q, k, v = before(block, x)
+        y = self(layer, q, k, v)
+        if rows is not None:
+            x, y = x[rows], y[rows]
+            if not len(x):  # a prompt chunk that samples nothing: no logits to compute
+                return x
+        return after(block, x, y)
+
+    def head(self, model, x: torch.Tensor) -> torch.Tensor:
+        return model.head(x)
 
 
 @dataclass
@@ -52,7 +80,7 @@ class StepMetadata:
         return not self.prefills
 
 
-class CausalAttention:
+class CausalAttention(Attention):
     """A (B, T) batch attending among its own tokens; `mask` (B, 1, T, T) bool, or None for plain causal."""
 
     def __init__(self, batch: int, mask: torch.Tensor | None, scales: Sequence[float], upcast: bool) -> None:
@@ -70,13 +98,14 @@ class CausalAttention:
         return y.to(dtype).transpose(1, 2).reshape(tokens, -1)
 
 
-class PagedAttention:
+class PagedAttention(Attention):
     """One engine step's attention over the pool: the step's K/V stored at their slots, each prompt chunk
     through SDPA, the decodes through `backend`. kv_pool: (n_layer, 2, blocks, block_size, H, D)."""
 
     def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
-                 upcast: bool) -> None:
+                 upcast: bool, halves: Halves = EAGER_HALVES) -> None:
         self.kv_pool, self.meta, self.backend, self.scales, self.upcast = kv_pool, meta, backend, scales, upcast
+        self.halves = halves
         self.fresh_mask = None
         if meta.num_fresh:
             self.fresh_mask = block_causal_mask([seg.length for seg in meta.prefills[: meta.num_fresh]], kv_pool.device)
@@ -125,7 +154,7 @@ class InvariantAttention(PagedAttention):
         return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
-class PoolAttention:
+class PoolAttention(Attention):
     """One new token per sequence over its cached pages and itself, reading the pool, never writing it.
 
     kv_pool: (n_layer, 2, blocks, block_size, H, D); block_tables: [B, W]; context_lens: [B] tokens

@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 import platform
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from minigpt.model.gpt2 import replace_linears
 
 SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting (GPT-2, 4 rows: 60 vs 96 ms; 16: 247 vs 134)
 TILE_ROWS = 16  # rows in every product of a `RowTiles` linear
@@ -155,6 +154,16 @@ def cpu_linear_for(dtype: torch.dtype, device: torch.device) -> type[nn.Module] 
     if not native[dtype]():
         return HalfWeightLinear
     return PackedLinear if dtype == torch.bfloat16 else None  # packed fp16 was slower for GPT-2's head
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Swap every nn.Linear of `model` in place for `make(linear)` (quantized, packed, ...)."""
+    parents = [module for module in model.modules() if not isinstance(module, nn.Linear)]
+    for module in parents:  # each replaced one is freed at once, not when all are
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, make(child))
+    return model
 
 
 def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:

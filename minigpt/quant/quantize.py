@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minigpt.engine.config import QUANTIZATIONS
-from minigpt.model.gpt2 import replace_linears
+from minigpt.model.linears import replace_linears
 from minigpt.quant import fbgemm_int8
 
 EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24

@@ -10,9 +10,11 @@ pause that doubles each time the probe fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from minigpt.engine.kv_cache import BlockManager
+from minigpt.engine.runner import is_decode
 from minigpt.engine.sequence import Sequence
 from minigpt.speculative.config import SpeculativeConfig
 from minigpt.speculative.ngram import ngram_draft
@@ -41,14 +43,15 @@ class Speculator:
     """Proposes drafts (n-gram lookup or a draft model) and learns per sequence how many pay off."""
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, tokenizer: Tokenizer,
-                 vocab_limit: int, num_kv_tokens: int, target_params: int) -> None:
+                 vocab_limit: int, num_kv_tokens: int, target_params: int, build_runner: Callable) -> None:
         self.config = config
         self.draft_model = None
         self.draft_cost = 0.0  # one draft forward, in target forwards
         if config.method == "draft_model":
             from minigpt.speculative.draft import DraftModel
 
-            self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit)
+            self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit,
+                                          build_runner)
             self.draft_cost = sum(p.numel() for p in self.draft_model.runner.model.parameters()) / target_params
         self._adaptive: dict[Sequence, _Adaptive] = {}
         # just above the break-even of one draft: (1 + a) tokens for 1 + draft_cost + VERIFY_COST_PER_TOKEN
@@ -61,7 +64,7 @@ class Speculator:
         budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
         seqs, ks = [], []
         for seq, chunk in chunks:
-            if chunk != 1 or seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens == 0:
+            if not is_decode(seq, chunk):
                 continue  # a prompt chunk
             if seq.grammar is not None:
                 continue  # structured outputs: the grammar takes one token a step

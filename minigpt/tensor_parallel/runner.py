@@ -25,6 +25,7 @@ from minigpt.engine.config import EngineConfig
 from minigpt.engine.runner import ModelRunner, StepInputs
 from minigpt.model.attention import StepMetadata
 from minigpt.model.config import GPT2Config
+from minigpt.model.gpt2 import GPT2
 from minigpt.model.weights import resolve_device
 from minigpt.tensor_parallel.group import all_reducer, close_group, join_store, open_group, open_store
 from minigpt.tensor_parallel.shard import Shard, check_divisible
@@ -33,6 +34,7 @@ LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
 STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated
 STOPPED_STATES = ("T", "t")  # stopped by a signal, or by a tracer
 DEATH_GRACE_S = 1.0  # a killed rank's sockets close before its exit can be seen: a failed step waits that long
+Load = Callable[[Path, EngineConfig, Shard], GPT2]  # a rank's model, its all-reduces hooked on
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Ranks:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: starts ranks 1..N-1, runs each step on every rank."""
 
-    def __init__(self, path: Path, config: EngineConfig) -> None:
+    def __init__(self, path: Path, config: EngineConfig, load: Load) -> None:
         world = config.tensor_parallel_size
         check_divisible(GPT2Config.from_json_file(path / "config.json"), world)
         device = resolve_device(config.device)
@@ -87,14 +89,15 @@ class TensorParallelRunner(ModelRunner):
             for rank in range(1, world):
                 conn, child_conn = context.Pipe()
                 process = context.Process(
-                    target=worker_main, args=(rank, world, store.port, path, config, child_conn),
+                    target=worker_main, args=(rank, world, store.port, path, config, load, child_conn),
                     name=f"minigpt-tp-rank{rank}", daemon=True,
                 )
                 process.start()
                 child_conn.close()
                 self.ranks.workers.append(Worker(rank, process, conn))
             self.shard = Shard(0, world)
-            super().__init__(path, config, self.shard)
+            model = load(path, config, self.shard)
+            super().__init__(model, config, self.shard.cache_config(model.config))
             for worker in self.ranks.workers:
                 _wait_loaded(worker)
             self.ranks.group = open_group(store, 0, world, self.device)
@@ -191,7 +194,8 @@ def _wait_loaded(worker: Worker) -> None:
         raise RuntimeError(f"tensor-parallel rank {worker.rank} could not start: {error}")
 
 
-def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConfig, conn: Connection) -> None:
+def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConfig, load: Load,
+                conn: Connection) -> None:
     """Rank `rank`: load the shard, join the group, then run steps until told to stop (an empty message)
     or until rank 0's end of the pipe closes."""
     try:
@@ -200,7 +204,8 @@ def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConf
         if resolve_device(config.device).type == "cuda":
             torch.cuda.set_device(rank)
         shard = Shard(rank, world)
-        runner = ModelRunner(path, config, shard)
+        model = load(path, config, shard)
+        runner = ModelRunner(model, config, shard.cache_config(model.config))
         store = join_store(port, world)
     except Exception as err:
         conn.send(f"{type(err).__name__}: {err}")
