@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
+from minigpt.compile import build as compile_build
 from minigpt.compile import cache as compile_cache
 from minigpt.compile.cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
 from minigpt.compile.steps import CompiledSteps
@@ -167,7 +168,7 @@ def test_a_worker_unpickles_only_what_a_step_is_made_of(tmp_path):
 def test_a_step_that_fails_to_build_in_its_process_says_why(tmp_path):
     spec = ProgramSpec("broken", torch.nn.Linear(4, 4), (torch.zeros(3, 5),), None)  # 5 inputs into 4
     with pytest.raises(RuntimeError, match=r"compiling step broken failed: .*\S"):
-        compile_cache._build_side_by_side([spec], tmp_path, 2)
+        compile_build._build_side_by_side([spec], tmp_path, 2)
     assert not list(tmp_path.glob("*.pt2"))
 
 
