@@ -49,7 +49,7 @@ def default_cache_dir() -> Path:
 
 def source_digest() -> str:
     digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]  # minigpt/
+    root = Path(__file__).resolve().parents[1]
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
@@ -166,7 +166,7 @@ class ProgramCache:
         workers = build_workers(specs)
         announce(logger, "compiling %d steps for this model shape and mode (%d at a time), once: later starts "
                  "load them from %s", len(specs), workers, self.root)
-        builder = f"{os.getpid()}-{socket.gethostname()}-"  # `_builder_gone` reads it back
+        builder = f"{os.getpid()}-{socket.gethostname()}-"
         with unwound_by_signals():
             building = Path(tempfile.mkdtemp(prefix=f"{entry.name}{BUILDING}{builder}", dir=self.root))
             try:
@@ -200,7 +200,7 @@ def _load_packages(folder: Path, files: dict[str, str]) -> dict[str, Callable]:
     for name, digest in files.items():
         try:
             data = (folder / f"{name}.pt2").read_bytes()
-        except OSError:  # missing, or deleted while read
+        except OSError:
             data = None
         if data is None or hashlib.sha256(data).hexdigest() != digest:
             raise CorruptEntry(f"{name}.pt2 is missing or altered")

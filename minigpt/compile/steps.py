@@ -39,14 +39,12 @@ def decode_layer(
     dtype). pool: this layer's pages (2, blocks, block_size, H, D), read only; scale: 0-d."""
     q, k, v = attention_inputs(block, x)
     y = PoolAttention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
-    return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)  # the cast fused
+    return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)
 
 
 class PoolDecode(Attention):
-    """A decode step's blocks each one call of `layer` (`decode_layer` or its program), its new K/V then stored
-    at `slot_mapping` (a program writing its input pool would copy it whole); the head through `head`.
-
-    kv_pool: (n_layer, 2, blocks, block_size, H, D); scales: [n_layer]."""
+    """A decode step's blocks each one call of `layer` (`decode_layer` or its program), whose new K/V is stored
+    after it (a program writing its input pool would copy it whole); the head through `head`."""
 
     def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  slot_mapping: torch.Tensor, scales: torch.Tensor, layer: Callable = decode_layer,
@@ -205,7 +203,7 @@ class CompiledSteps:
     """The decode backend of a compiled engine: its programs loaded from `cache` (built first if missing);
     `cache_entry` None where the cache is untrusted. `decodes` False: decodes attend eagerly (batch_invariant)."""
 
-    PROGRAMS = ("layer", "layer_alone", "head_alone", "before", "after", "attend")  # those `_specs` makes
+    PROGRAMS = ("layer", "layer_alone", "head_alone", "before", "after", "attend")
 
     def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache, decodes: bool = True) -> None:
         missing = missing_internals()
@@ -214,7 +212,7 @@ class CompiledSteps:
                                f"{', '.join(missing)}")
         self.model, self.pool, self.decodes = model, pool, decodes  # the pool, not its tensor: close() frees that
         self._scales = attention_scales(model)
-        self._head = HeadModules(model)  # what the head's program is exported over and then called with
+        self._head = HeadModules(model)
         try:
             programs, self.cache_entry = cache.load(self.description(), self.PROGRAMS, self._specs)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
@@ -251,7 +249,7 @@ class CompiledSteps:
         with torch.inference_mode():
             q = attention_inputs(block, x[:EXAMPLE_BATCH])[0]
         pool = kv.new_zeros(kv.shape[1], EXAMPLE_BLOCKS, *kv.shape[3:])  # one layer's, of any number of pages
-        y = torch.zeros_like(x, dtype=q.dtype)  # the attention's output, in the query's dtype
+        y = torch.zeros_like(x, dtype=q.dtype)
         block_tensors = tensors_of(block)
         weights = (None,) * len(block_tensors)
         head_tensors = tensors_of(self._head)

@@ -34,20 +34,19 @@ def is_decode(seq: Sequence, chunk: int) -> bool:
 
 @dataclass
 class StepInputs:
-    """One step laid out flat: what the model reads, and which logits rows go where afterwards."""
 
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     meta: StepMetadata
     logits_indices: torch.Tensor  # [R] int64: the rows whose logits are computed
-    sample_seqs: list[Sequence]  # the sequences that sample this step
+    sample_seqs: list[Sequence]
     sample_rows: list[int]  # their rows among the R: one each, plus one per drafted token it verifies
     # (sequence, its first row among the R, the prompt positions whose next token it scores)
     prompt_logprob_rows: list[tuple[Sequence, int, list[int]]]
 
 
 class DecodeBackend(Protocol):
-    """What runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs), chosen at start."""
+    """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start."""
 
     def covers(self, inputs: StepInputs) -> bool: ...
 
@@ -55,7 +54,7 @@ class DecodeBackend(Protocol):
 
 
 class EagerSteps:
-    """Every step through the runner's eager forward: the decode backend when no other is chosen."""
+    """Every step through the eager forward: the decode backend when no other is chosen."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -68,8 +67,8 @@ class EagerSteps:
 
 
 class ModelRunner:
-    """A loaded model's KV pool (of `cache_config`'s shape: a tensor-parallel rank's heads), its attention
-    backend and its decode backend; `spare_blocks` pages past the pool's (CUDA graphs' padding)."""
+    """A loaded model, its KV pool (of `cache_config`: a tensor-parallel rank's heads, plus `spare_blocks`
+    pages), its attention backend and its decode backend."""
 
     def __init__(self, model: GPT2, config: EngineConfig, cache_config: GPT2Config | None = None,
                  spare_blocks: int = 0) -> None:
@@ -110,7 +109,7 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """The eager step: the layer loop over paged attention (what the CUDA graphs capture)."""
+        """The eager step: the layer loop over paged attention."""
         attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast, self.halves)
         return self.model.run(input_ids, positions, attention, logits_rows)
 
@@ -124,14 +123,13 @@ class ModelRunner:
                 decodes.append(seq)
             else:
                 prefills.append((seq, chunk))
-        # the chunks that start a prompt
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
         batched = len(fresh) > 1 and sum(fresh) <= MAX_BATCHED_PREFILL
         if batched:
             prefills.sort(key=lambda pair: pair[0].num_computed_tokens > 0)  # stable: those chunks first
-        tokens: list[tuple[Sequence, int]] = []  # (sequence, position) of each row of the flat batch
+        tokens: list[tuple[Sequence, int]] = []  # (sequence, position) of each row
         segments: list[PrefillSegment] = []
-        rows: list[int] = []  # the rows whose logits are computed
+        rows: list[int] = []
         sample_seqs, sample_rows, prompt_rows = [], [], []
         for seq, chunk in prefills:
             start, first = len(tokens), seq.num_computed_tokens
@@ -147,7 +145,6 @@ class ModelRunner:
                     rows += (start + p - first for p in wanted)
             if end == len(seq.token_ids) + len(seq.draft_token_ids) and not seq.scores_only:
                 sample_seqs.append(seq)
-                # the last token's row, then one row per drafted token being verified
                 verified = range(end - 1 - len(seq.draft_token_ids), end)
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
@@ -172,8 +169,7 @@ class ModelRunner:
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy each (source, destination) block's K/V in every layer; a destination listed twice takes
-        its last source."""
+        """Copy each (source, destination) block's K/V; a destination listed twice takes its last source."""
         if copies:
             last = {dst: src for src, dst in copies}
             self.pool.kv[:, :, self._tensor(list(last))] = self.pool.kv[:, :, self._tensor(list(last.values()))]
@@ -182,17 +178,15 @@ class ModelRunner:
         return to_device(values, torch.int64, self.device)
 
     def problem(self) -> str | None:
-        """Why this runner cannot run steps, if it cannot (a tensor-parallel rank gone); None: it can."""
+        """Why this runner cannot run steps (a tensor-parallel rank gone); None: it can."""
         return None
 
     def close(self) -> None:
-        """Free the KV pool and what the decode backend holds."""
         self.pool.kv = torch.empty(0)
         self.backend.close()
         self.decoder, self.halves = EagerSteps(self), EAGER_HALVES
 
 
 def _token_at(seq: Sequence, position: int) -> int:
-    """The token at `position` of seq's tokens followed by its drafted ones."""
     n = len(seq.token_ids)
     return seq.token_ids[position] if position < n else seq.draft_token_ids[position - n]

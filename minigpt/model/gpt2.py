@@ -109,7 +109,7 @@ class GPT2(nn.Module):
                 )
             keep = attention_mask.to(device=input_ids.device, dtype=torch.bool)
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-            # A padding query may see only itself: a row with no key at all would give NaN.
+            # a padding query sees itself: a row with no key would give NaN
             eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)
             mask = ((causal & keep[:, None, :]) | eye)[:, None]  # (B, 1, T, T)
             if position_ids is None:
@@ -163,11 +163,12 @@ class _SkipInit(TorchFunctionMode):
 
 
 class WeightLayout(Protocol):
-    """The part of a checkpoint a model holds (a tensor-parallel rank's shard)."""
+    """The part of a checkpoint a model holds (a tensor-parallel shard): `resize` shrinks the meta model to it,
+    `take` gives that part of checkpoint tensor `key`."""
 
-    def resize(self, model: GPT2) -> None: ...  # shrink the model, still on the meta device, to that part
+    def resize(self, model: GPT2) -> None: ...
 
-    def take(self, key: str, source: Any) -> torch.Tensor: ...  # that part of checkpoint tensor `key`
+    def take(self, key: str, source: Any) -> torch.Tensor: ...
 
 
 def load_model(
