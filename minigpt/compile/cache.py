@@ -1,7 +1,6 @@
-"""The compiled steps on disk: one folder per `entry_key` (a digest of minigpt's source, the torch build, the
-CPU, the model's shape and mode; never the weights, which are inputs), built under a temporary name and renamed
-when complete. Its manifest, signed with the user's key (trust.py), lists each package's SHA-256: a partial,
-stale, altered or foreign entry is rebuilt, never run. Entries of other builds unused for `UNUSED_DAYS` are pruned.
+"""The compiled steps on disk, one folder per `entry_key` (minigpt's source, torch, the CPU, the model's shape and
+mode; not the weights), renamed into place when complete. Its signed manifest lists each package's SHA-256: an
+entry partial, stale, altered or not this user's is rebuilt, never run.
 """
 
 from __future__ import annotations

@@ -35,8 +35,7 @@ def decode_layer(
     context_lens: torch.Tensor,
     scale: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of a decode step: x [B, C] -> (the next x, the tokens' new K/V [2, B, H, D] in the pool's
-    dtype). pool: this layer's pages (2, blocks, block_size, H, D), read only; scale: 0-d."""
+    """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D]); pool: this layer's, read only."""
     q, k, v = attention_inputs(block, x)
     y = PoolAttention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
     return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)
@@ -80,12 +79,10 @@ def decode_step(
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
-    """[n_layer] fp32 on the model's device."""
     return torch.tensor(model.attention_scales(), device=model.wte.weight.device)
 
 
 def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer by name (a tied one once)."""
     return list(itertools.chain(module.named_parameters(), module.named_buffers()))
 
 
@@ -104,8 +101,7 @@ class _Call(torch.nn.Module):
 
 
 class TensorsAsInputs(torch.nn.Module):
-    """`fn(module, *inputs)` to export with `module`'s tensors as its first input, not constants: the program
-    holds no weights and serves every module of the shape."""
+    """`fn(module, *inputs)` to export with `module`'s tensors as inputs: the program serves every such module."""
 
     def __init__(self, fn: Callable, module: torch.nn.Module) -> None:
         super().__init__()
@@ -200,8 +196,8 @@ class CompiledDecodeBackend:
 
 
 class CompiledSteps:
-    """The decode backend of a compiled engine: its programs loaded from `cache` (built first if missing);
-    `cache_entry` None where the cache is untrusted. `decodes` False: decodes attend eagerly (batch_invariant)."""
+    """A compiled engine's decode backend, its programs from `cache` (`cache_entry` None: untrusted); `decodes`
+    False leaves decode steps to the eager forward."""
 
     PROGRAMS = ("layer", "layer_alone", "head_alone", "before", "after", "attend")
 
@@ -227,7 +223,6 @@ class CompiledSteps:
         self.attention_backend = CompiledDecodeBackend(pool, FlatProgram(programs["attend"]))
 
     def description(self) -> dict:
-        """What the programs depend on (not the weights: they are inputs)."""
         model, kv = self.model, self.pool.kv
         return {
             **build_environment(kv.device),

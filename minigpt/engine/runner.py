@@ -1,6 +1,4 @@
-"""The model runner: the model, its KV pool and the step's tensors. `prepare` lays a scheduled batch out as one
-flat step; `run` computes the logits of the rows sampled or scored, writing the step's K/V into the pool.
-"""
+"""The model runner: `prepare` lays a scheduled batch out as one flat step; `run` computes its logits rows."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ class EagerSteps:
 
 
 class ModelRunner:
-    """A loaded model, its KV pool (of `cache_config`: a tensor-parallel rank's heads, plus `spare_blocks`
-    pages), its attention backend and its decode backend."""
+    """A loaded model, its KV pool (`cache_config`'s heads, plus `spare_blocks`) and its backends."""
 
     def __init__(self, model: GPT2, config: EngineConfig, cache_config: GPT2Config | None = None,
                  spare_blocks: int = 0) -> None:
@@ -109,7 +106,6 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """The eager step: the layer loop over paged attention."""
         attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast, self.halves)
         return self.model.run(input_ids, positions, attention, logits_rows)
 

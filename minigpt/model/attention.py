@@ -27,8 +27,7 @@ EAGER_HALVES: Halves = (attention_inputs, attention_outputs)
 
 
 class Attention:
-    """`block` runs one block of the layer loop around this attention through `halves` (compiled programs in
-    a compiled engine); `head` the final norm and LM head. A compiled decode overrides both."""
+    """`block`: one block of the layer loop around this attention, through `halves`; `head`: the final head."""
 
     halves: Halves = EAGER_HALVES
 
@@ -95,8 +94,7 @@ class CausalAttention(Attention):
 
 
 class PagedAttention(Attention):
-    """An engine step over the pool (n_layer, 2, blocks, block_size, H, D): its K/V stored, each prompt chunk
-    through SDPA, the decodes through `backend`."""
+    """An engine step: its K/V stored in the pool, each prompt chunk through SDPA, the decodes through `backend`."""
 
     def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
                  upcast: bool, halves: Halves = EAGER_HALVES) -> None:
@@ -130,8 +128,7 @@ class PagedAttention(Attention):
 
 
 class InvariantAttention(PagedAttention):
-    """`batch_invariant=True`: every query attends through `invariant_attention` over its pages, the same bits
-    whatever else its step holds."""
+    """`batch_invariant=True`: every query through `invariant_attention` over its pages."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, scale = self.meta, self.scales[layer]
@@ -149,8 +146,7 @@ class InvariantAttention(PagedAttention):
 
 
 class PoolAttention(Attention):
-    """One new token per sequence over its pages and itself, never writing the pool: context_lens [B] count
-    the new token, whose K/V is not in the pages yet; scales: [n_layer] fp32."""
+    """One new token per sequence over its pages and its own K/V (counted in context_lens), never writing them."""
 
     def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scales: torch.Tensor) -> None:
@@ -175,8 +171,7 @@ def prefill_attention(
     scale: float,
     upcast: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of one prompt chunk, q/k/v [T, H, D] -> [T, H, D]. With a cached prefix the keys come
-    from the pages and the mask from positions (SDPA's `is_causal` aligns top-left)."""
+    """One prompt chunk, q/k/v [T, H, D] -> [T, H, D]; a cached prefix's keys from the pages, masked by position."""
     length, context_len = segment.length, segment.context_len
     mask = None
     if context_len != length:
@@ -203,8 +198,8 @@ def token_attention(
     upcast: bool = False,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA over flat tokens: q [T, H, D] against k, v [S, H, D] -> [T, H, D], causal or under (T, S) `mask`.
-    Eager 4-D (the CPU flash kernel's only form); compiled 3-D, the math path inductor fuses."""
+    """SDPA of q [T, H, D] over k, v [S, H, D], causal or under (T, S) `mask`: 4-D eager (the CPU flash kernel's
+    only form), 3-D compiled (the math path inductor fuses)."""
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))
@@ -229,9 +224,8 @@ def attend(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled fp32 queries (B, H, D) over their pages' keys and values (B, W, block_size, H, D) where `cached`,
-    and their own k, v (B, H, D) if given: one softmax -> (B, H, D). Products and sums, which inductor fuses
-    with the page reads; each page summed first, so its innermost loop looks up no page."""
+    """Scaled fp32 queries (B, H, D) over pages (B, W, block_size, H, D) where `cached`, and their own k, v if
+    given -> (B, H, D): products and sums inductor fuses with the page reads, each page summed first."""
     scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
     top = scores.amax((1, 2))
     if k is not None:
@@ -269,9 +263,8 @@ INVARIANT_KEYS = 64  # keys summed in each product of weights and values
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                         scale: float) -> torch.Tensor:
-    """Each row the same bits whatever its neighbours: q [B, H, R, D] against keys [B, H, P, K, D] and values
-    with a column of ones [B, H, P, K, D + 1], row r of b seeing lengths[b, r] keys -> [B, H, R, D] fp32.
-    Every product has one shape (a product's reduction order follows its shape), its pieces added in order."""
+    """Rows the same bits whatever their neighbours: every product of one shape, q [B, H, R, D] against keys
+    [B, H, P, K, D] and values with a column of ones (the denominator), row r of b seeing lengths[b, r] keys."""
     batch, heads, pieces, width, dim = keys.shape
     scores = torch.matmul(q.float()[:, :, None], keys.transpose(-1, -2)) * scale  # (B, H, P, R, K)
     position = torch.arange(pieces * width, device=q.device).view(pieces, 1, width)

@@ -1,7 +1,5 @@
-"""Unquantized linears on the CPU, the fastest product for each dtype and CPU (scripts/PERFORMANCE.md):
-`PackedLinear` (the weight in oneDNN's blocked layout once, not per call) and `HalfWeightLinear` (half weights
-where the CPU lacks half arithmetic). Both are ops of our own, opaque to export: a packed weight is found by its
-handle's address (as in `fbgemm_int8`). Such a model cannot be deep-copied, saved or cast.
+"""Unquantized CPU linears, the fastest product per dtype and CPU: `PackedLinear`, `HalfWeightLinear`; ops of our
+own, opaque to export (a packed weight found by its handle's address), so such a model cannot be copied or cast.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ for _name, _kernel in (("packed_linear", _packed_linear), ("half_weight_linear",
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight lives in oneDNN's packed layout as long as its `handle` lives."""
+    """The weight reordered once into oneDNN's blocked layout, living as long as `handle`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -95,7 +93,6 @@ class RowTiles(nn.Module):
 
 
 def tile_rows(model: nn.Module) -> nn.Module:
-    """Wrap every linear of `model` (or its replacement) in place in `RowTiles`."""
     for module in list(model.modules()):
         if isinstance(module, RowTiles):
             continue
@@ -151,6 +148,5 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
 
 
 def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Every nn.Linear of an unquantized `model` replaced in place by what `cpu_linear_for` picks."""
     kind = cpu_linear_for(dtype, device)
     return model if kind is None else replace_linears(model, kind)
