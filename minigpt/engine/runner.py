@@ -32,7 +32,6 @@ def is_decode(seq: Sequence, chunk: int) -> bool:
 
 @dataclass
 class StepInputs:
-
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     meta: StepMetadata
@@ -78,7 +77,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device)
         self.attention_kind = InvariantAttention if config.batch_invariant else PagedAttention
         self.halves = EAGER_HALVES
-        # a GPU would idle through one small call per prompt; the CPU skips the others' masked work
+        # new prompts attend in one call on a GPU (one small call each would idle it); one by one on the CPU
         self.batched_prefill = self.device.type == "cuda"
         self.decoder: DecodeBackend = EagerSteps(self)
         logger.info(
