@@ -86,7 +86,6 @@ def build_workers(specs: list[ProgramSpec]) -> int:
 
 
 def compile_program(spec: ProgramSpec, package: str | Path) -> str:
-    """Export `spec` and compile it into the `package` file -> the package's SHA-256."""
     from torch._inductor import aoti_compile_and_package
 
     with warnings.catch_warnings(), torch.inference_mode():

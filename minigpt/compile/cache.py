@@ -85,8 +85,6 @@ class CorruptEntry(Exception):
 
 
 class ProgramCache:
-    """Compiled step packages under `root`, one folder per entry key."""
-
     def __init__(self, root: str | Path | None = None) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
 

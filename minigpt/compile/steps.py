@@ -87,7 +87,6 @@ def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """What a `TensorsAsInputs` program of `module`'s shape takes first."""
     return tuple(tensor for _, tensor in named_tensors(module))
 
 
@@ -113,8 +112,6 @@ class TensorsAsInputs(torch.nn.Module):
 
 
 class PagedDecodeProgram(torch.nn.Module):
-    """`attention.paged_decode` as a module to export."""
-
     def forward(self, query, pages, block_tables, context_lens, first_pages, scale):
         return paged_decode(query, pages, block_tables, context_lens, first_pages, scale)
 
@@ -142,8 +139,6 @@ class LayerProgram:
 
 
 class HeadModules(nn.Module):
-    """What `final_logits` reads of a model, as a module to export."""
-
     def __init__(self, model: GPT2) -> None:
         super().__init__()
         self.ln_f, self.lm_head, self.dtype = model.ln_f, model.lm_head, model.dtype

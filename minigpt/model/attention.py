@@ -61,7 +61,6 @@ class PrefillSegment:
 
 @dataclass
 class StepMetadata:
-
     slot_mapping: torch.Tensor  # [N] int64: where each token's K/V is written
     prefills: list[PrefillSegment]
     num_prefill_tokens: int

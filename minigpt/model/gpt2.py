@@ -82,7 +82,6 @@ class GPT2(nn.Module):
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
     ) -> GPT2:
-        """A Hugging Face GPT-2 checkpoint (hub id or local directory), in eval mode."""
         return load_model(name_or_path, dtype=dtype, device=device)
 
     def forward(

@@ -17,7 +17,6 @@ _PACKED: dict[int, torch.ScriptObject] = {}  # data_ptr of an int8 weight -> its
 
 
 def built_in() -> bool:
-    """This torch has fbgemm and the quantized ops used here."""
     return "fbgemm" in torch.backends.quantized.supported_engines and all(
         hasattr(torch.ops.quantized, op) for op in _OPS
     )

@@ -101,7 +101,6 @@ def _half_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Every nn.Linear of `model` replaced in place by its `mode` version."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {mode!r}")
     return replace_linears(model, Int8Linear if mode == "int8" else W8A8Linear)

@@ -23,7 +23,6 @@ def join_store(port: int, world: int) -> dist.TCPStore:
 
 
 def open_group(store: dist.Store, rank: int, world: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the `world` ranks' group (every rank at once)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
@@ -32,7 +31,6 @@ def open_group(store: dist.Store, rank: int, world: int, device: torch.device) -
 
 
 def all_reducer(group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
-
     def all_reduce(tensor: torch.Tensor) -> None:
         group.allreduce([tensor]).wait()
 

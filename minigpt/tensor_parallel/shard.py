@@ -19,7 +19,6 @@ ROW_PARALLEL = ("attn.c_proj", "mlp.c_proj")
 
 
 def check_divisible(config: GPT2Config, world: int) -> None:
-    """Refuse heads or widths `world` ranks cannot share evenly."""
     for name, value in (("n_head", config.n_head), ("n_embd", config.n_embd), ("the MLP width", config.inner_dim)):
         if value % world:
             raise ValueError(f"tensor_parallel_size={world} does not divide {name}={value}: "
