@@ -21,10 +21,9 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
     if config.tensor_parallel_size > 1:
         from minigpt.tensor_parallel.runner import TensorParallelRunner
 
-        return TensorParallelRunner(path, config, load)
-    # a tensor-parallel rank's steps come from rank 0, eagerly
+        return TensorParallelRunner(path, config, load_model_for)
     graphs = resolve_device(config.device).type == "cuda" and not (config.enforce_eager or config.compile)
-    runner = ModelRunner(load(path, config), config, spare_blocks=int(graphs))
+    runner = ModelRunner(load_model_for(path, config), config, spare_blocks=int(graphs))
     if config.compile:
         from minigpt.compile.cache import ProgramCache
         from minigpt.compile.steps import CompiledSteps
@@ -42,7 +41,7 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
     return runner
 
 
-def load(path: Path, config: EngineConfig, shard: Shard | None = None) -> GPT2:
+def load_model_for(path: Path, config: EngineConfig, shard: Shard | None = None) -> GPT2:
     """The model as `config` runs it (a tensor-parallel rank's `shard` of it, its all-reduces hooked on): its
     linears quantized, or in the device's fastest form, tiled for batch invariance."""
     dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
