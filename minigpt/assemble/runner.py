@@ -42,8 +42,7 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
 
 
 def load_model_for(path: Path, config: EngineConfig, shard: Shard | None = None) -> GPT2:
-    """The model as `config` runs it (a tensor-parallel rank's `shard` of it, its all-reduces hooked on): its
-    linears quantized, or in the device's fastest form, tiled for batch invariance."""
+    """The model (or a rank's `shard`) with the linears `config` asks for and the shard's all-reduces."""
     dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
     model = load_model(path, dtype, device, layout=shard)
     if config.quantize is not None:

@@ -1,7 +1,6 @@
 """The compiled steps on disk, one folder per `entry_key` (minigpt's source, torch, the CPU, the model's shape and
 mode; not the weights), renamed into place when complete. Its signed manifest lists each package's SHA-256: an
-entry partial, stale, altered or not this user's is rebuilt, never run.
-"""
+entry partial, stale, altered or not this user's is rebuilt, never run."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ class ProgramCache:
     def load(
         self, description: dict, names: tuple[str, ...], specs: Callable[[], list[ProgramSpec]]
     ) -> tuple[dict[str, Callable], Path | None]:
-        """The programs `names` of `description`'s entry and its folder (None: an untrusted cache, programs built
-        for this caller alone), built first from `specs()` where missing or unusable."""
+        """The programs `names` of `description`'s entry (built from `specs()` if need be) and its folder."""
         description = _as_read_back(description)
         try:
             private_folder(self.root)

@@ -1,7 +1,6 @@
 """What lets the cache trust an entry (its packages are native code run as this user): a folder owned by this
 user and writable by no one else, and a manifest carrying the HMAC of this user's key, 32 random bytes created
-0600 in `$XDG_CONFIG_HOME/minigpt/cache.key` (default `~/.config/minigpt`).
-"""
+0600 in `$XDG_CONFIG_HOME/minigpt/cache.key` (default `~/.config/minigpt`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`python -m minigpt.compile.worker SPEC PACKAGE THREADS PARENT`: one step built in a process of its own (build.py).
 
 SPEC: a saved `ProgramSpec`; PACKAGE: the .pt2 to write; THREADS: the parent's torch threads (inductor writes
-them into its loops); PARENT: the parent's pid. It ends its process group on a signal or its parent's death.
-"""
+them into its loops); PARENT: the parent's pid. It ends its process group on a signal or its parent's death."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """CUDA graphs of the decode step, captured at start for a ladder of batch sizes. B sequences replay the smallest
 size b >= B from static buffers; rows B..b-1 write and read a scratch page no sequence owns. Page tables span the
-model's context, so one graph serves every length. The graphs replay the runner's own eager forward.
-"""
+model's context, so one graph serves every length. The graphs replay the runner's own eager forward."""
 
 from __future__ import annotations
 

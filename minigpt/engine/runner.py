@@ -25,8 +25,7 @@ MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask 
 
 
 def is_decode(seq: Sequence, chunk: int) -> bool:
-    """The one token left after a computed context; a lone token of a prompt still being computed (chunked
-    prefill, a prefix-cache hit) is a prefill chunk."""
+    """The one token left after a computed context (a prompt's lone token is a prefill chunk)."""
     return chunk == seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
 
 

@@ -18,8 +18,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 class TorchBackend:
-    """The PyTorch reference (kernels/reference.py), gathering pages into buffers kept for the engine's life (a
-    fresh one above glibc's mmap threshold would be page-faulted anew each step)."""
+    """kernels/reference.py, its gather buffers kept (a fresh one above glibc's mmap threshold page-faults)."""
 
     name = "torch"
     store_kv = staticmethod(store_kv)

@@ -90,8 +90,7 @@ class GPT2(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, vocab) logits, no cache. A left-padded row (`attention_mask` 0) gets the
-        logits it gets alone."""
+        """(B, T) token ids -> (B, T, vocab) logits, no cache; a left-padded row gets the logits it gets alone."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__} "
                             "(torch.tensor(ids))")
@@ -126,8 +125,7 @@ class GPT2(nn.Module):
         attention: Attention,
         logits_rows: torch.Tensor | slice | None = None,
     ) -> torch.Tensor:
-        """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only
-        (past the last layer's attention, only they go on: a prompt's one sampled row, not all)."""
+        """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only."""
         x = self.embed(input_ids, positions)  # (N, C) fp32
         last = len(self.h) - 1
         for layer, block in enumerate(self.h):
@@ -176,8 +174,7 @@ def load_model(
     device: str | torch.device = "cpu",
     layout: WeightLayout | None = None,
 ) -> GPT2:
-    """GPT2 from a checkpoint (hub id or directory) in eval mode, on `device` in `dtype`: built on the meta
-    device, then filled by `minigpt.model.weights`; only the part `layout` holds, with one."""
+    """GPT2 from a checkpoint (hub id or directory) in eval mode, built on meta then filled: the part `layout` holds."""
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = resolve_checkpoint(name_or_path)
     config = GPT2Config.from_json_file(path / "config.json")

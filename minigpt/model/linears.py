@@ -1,6 +1,5 @@
 """Unquantized CPU linears, the fastest product per dtype and CPU: `PackedLinear`, `HalfWeightLinear`; ops of our
-own, opaque to export (a packed weight found by its handle's address), so such a model cannot be copied or cast.
-"""
+own, opaque to export (a packed weight found by its handle's address), so such a model cannot be copied or cast."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ class HalfWeightLinear(nn.Module):
 
 
 class RowTiles(nn.Module):
-    """A linear run `TILE_ROWS` rows at a time, zero-padded (`batch_invariant=True`): a product's reduction
-    order follows its number of rows."""
+    """A linear run `TILE_ROWS` rows at a time (a product's reduction order follows its rows): batch_invariant."""
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()

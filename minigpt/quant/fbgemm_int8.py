@@ -1,7 +1,6 @@
 """int8 x int8 products through fbgemm on x86 CPUs without AVX-512 (where `torch._int_mm` runs a naive loop).
 AVX2's `vpmaddubsw` saturates 16-bit pair sums: 7-bit activations (offset by 64 into [1, 127]) keep the products
-exact. The packed weight is a torchbind object compile cannot trace, so the product is an op of our own.
-"""
+exact. The packed weight is a torchbind object compile cannot trace, so the product is an op of our own."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """int8 linears replacing every nn.Linear: `int8` (weight-only, per-channel absmax / 127, gpt-fast's recipe) and
 `w8a8` (each activation row also rounded to int8 with its own scale: exact integer products, per row so a request
-does not depend on its batch), through `torch._int_mm`, or fbgemm on AVX2-only CPUs (`fbgemm_int8`).
-"""
+does not depend on its batch), through `torch._int_mm`, or fbgemm on AVX2-only CPUs (`fbgemm_int8`)."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def one_row_products(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_int8(weight: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float weight -> (int8 [out, in], fp32 scales [out]), each row over its absmax / 127; `rows` at a
-    time through one small buffer (a whole quotient's page faults cost more than the division)."""
+    """[out, in] float weight -> (int8, fp32 scales [out]), `rows` at a time (a whole quotient would page-fault)."""
     low, high = torch.aminmax(weight, dim=1)
     scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
     rounded = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)

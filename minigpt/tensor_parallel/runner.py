@@ -1,7 +1,6 @@
 """Tensor parallelism's processes: rank 0's runner (the caller's process) sends each step's inputs down one pipe
 per worker rank it spawns, runs its own shard and returns the logits; the all-reduces go through the group. A
-worker that dies breaks the group: the step in flight fails, and every later one.
-"""
+worker that dies breaks the group: the step in flight fails, and every later one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Megatron-style shards of GPT-2: `c_attn` (by whole heads) and `c_fc` column-parallel, both `c_proj`s
 row-parallel with one all-reduce after each; embeddings, layernorms and head replicated. Slices are taken in
-the checkpoint's Conv1D layout ([in, out]) by indexing only, so safetensors reads just the rank's bytes.
-"""
+the checkpoint's Conv1D layout ([in, out]) by indexing only, so safetensors reads just the rank's bytes."""
 
 from __future__ import annotations
 
