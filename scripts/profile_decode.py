@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from minigpt import LLM, SamplingParams
+from minigpt.engine.cuda_graphs import DecodeGraphs
 
 
 def timed(owner: object, name: str, totals: dict[str, float]) -> None:
@@ -55,7 +56,7 @@ def profile(args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
-    graphs = "eager" if engine.runner.graphs is None else "CUDA graphs"
+    graphs = "CUDA graphs" if isinstance(engine.runner.decoder, DecodeGraphs) else "eager"
     print(f"{args.model} | {args.device} {args.dtype} | {graphs} | batch {args.batch} | "
           f"{1000 * wall:.3f} ms per decode step over {args.steps} steps")
     for name, total in totals.items():

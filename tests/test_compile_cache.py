@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
+from minigpt.compile import build as compile_build
 from minigpt.compile import cache as compile_cache
 from minigpt.compile.cache import MANIFEST, CorruptEntry, ProgramCache, ProgramSpec, default_cache_dir, entry_key
 from minigpt.compile.steps import CompiledSteps
@@ -39,7 +40,7 @@ def built_entry(tiny_checkpoint):
         want = tokens(llm)
     with LLM(str(tiny_checkpoint), compile=True) as llm:
         assert tokens(llm) == want
-        return llm.engine.runner.compiled.cache_entry, want
+        return llm.engine.runner.decoder.cache_entry, want
 
 
 @pytest.mark.slow
@@ -47,7 +48,7 @@ def test_a_second_engine_loads_the_entry_without_compiling(tiny_checkpoint, buil
     entry, want = built_entry
     with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
         with LLM(str(tiny_checkpoint), compile=True) as llm:
-            assert llm.engine.runner.compiled.cache_entry == entry
+            assert llm.engine.runner.decoder.cache_entry == entry
             assert tokens(llm) == want
             assert [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == want
 
@@ -144,7 +145,7 @@ def test_steps_built_in_turn_or_side_by_side_serve_alike(tiny_checkpoint, built_
     entry, want = built_entry
     with mock.patch.object(compile_cache, "build_workers", return_value=workers):
         with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
-            assert llm.engine.runner.compiled.cache_entry.name == entry.name
+            assert llm.engine.runner.decoder.cache_entry.name == entry.name
             assert tokens(llm) == want
     assert sorted(path.name for path in (tmp_path / entry.name).iterdir()) == sorted(
         path.name for path in entry.iterdir())  # packages and manifest only: no spec or log left behind
@@ -167,7 +168,7 @@ def test_a_worker_unpickles_only_what_a_step_is_made_of(tmp_path):
 def test_a_step_that_fails_to_build_in_its_process_says_why(tmp_path):
     spec = ProgramSpec("broken", torch.nn.Linear(4, 4), (torch.zeros(3, 5),), None)  # 5 inputs into 4
     with pytest.raises(RuntimeError, match=r"compiling step broken failed: .*\S"):
-        compile_cache._build_side_by_side([spec], tmp_path, 2)
+        compile_build._build_side_by_side([spec], tmp_path, 2)
     assert not list(tmp_path.glob("*.pt2"))
 
 
@@ -196,7 +197,7 @@ def test_precompile_builds_the_entry_a_later_engine_loads(tiny_checkpoint, compi
     assert (compile_cache_dir / entry.rsplit("/", 1)[-1] / MANIFEST).is_file()
     with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
         with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
-            assert str(llm.engine.runner.compiled.cache_entry) == entry
+            assert str(llm.engine.runner.decoder.cache_entry) == entry
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 
 from minigpt import LLM, SamplingParams
+from minigpt.compile import build as compile_build
 from minigpt.compile import cache as compile_cache
 from minigpt.compile.cache import BUILDING, MANIFEST, ProgramCache, entry_key
 from minigpt.compile.trust import Untrusted, key_file, sign, user_key
@@ -40,7 +41,7 @@ def write_entry(root: Path, description: dict, names=NAMES, key: bytes | None = 
     files = {}
     for name in names:
         (entry / f"{name}.pt2").write_bytes(name.encode())
-        files[name] = compile_cache._sha256(entry / f"{name}.pt2")
+        files[name] = compile_build.sha256_file(entry / f"{name}.pt2")
     body = compile_cache._signed_part(description, files)
     manifest = {"description": description, "files": files, "hmac": sign(key or user_key(), body)}
     (entry / MANIFEST).write_text(json.dumps(manifest))
@@ -167,7 +168,7 @@ def session_entry(tiny_checkpoint, eager_tokens):
     """The tiny model's entry in the session's cache, built if need be."""
     with LLM(str(tiny_checkpoint), compile=True) as llm:
         assert tokens(llm) == eager_tokens
-        return llm.engine.runner.compiled.cache_entry
+        return llm.engine.runner.decoder.cache_entry
 
 
 def planted_copy(entry: Path, root: Path, marker: Path) -> Path:
@@ -191,7 +192,7 @@ def planted_copy(entry: Path, root: Path, marker: Path) -> Path:
         for item in original.infolist():
             planted.writestr(item, library.read_bytes() if item in libraries else original.read(item))
     manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["files"]["layer"] = compile_cache._sha256(package)
+    manifest["files"]["layer"] = compile_build.sha256_file(package)
     (copy / MANIFEST).write_text(json.dumps(manifest))
     return copy
 
@@ -241,7 +242,7 @@ def test_a_planted_entry_in_a_folder_others_can_write_never_runs(tiny_checkpoint
     with (mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("stored")),
           caplog.at_level(logging.WARNING, logger="minigpt")):
         with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(root)) as llm:
-            assert llm.engine.runner.compiled.cache_entry is None
+            assert llm.engine.runner.decoder.cache_entry is None
             assert tokens(llm) == eager_tokens
     assert not marker.exists() and contents(root) == before
     assert f"{root} is writable by group and others (mode 777)" in caplog.text

@@ -11,9 +11,8 @@ import torch
 
 from minigpt import LLM, SamplingParams
 from minigpt.compile.steps import LayerProgram, attention_scales, decode_step
-from minigpt.model.attention import PagedAttention
+from minigpt.model.attention import EAGER_HALVES, PagedAttention, attention_inputs
 from minigpt.model.backends import TorchBackend
-from minigpt.model.gpt2 import attention_inputs, attention_outputs
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -22,11 +21,11 @@ LENGTHS = [1, 7, 8, 9, 30, 64]
 MAX_TOKENS = [12, 9, 20, 2, 16, 30]
 
 
-def eager_step(runner, inputs, kv=None, halves=(attention_inputs, attention_outputs)):
+def eager_step(runner, inputs, kv=None, halves=EAGER_HALVES):
     """The model runner's eager paged step on the torch reference backend, into `kv` (default: the pool)."""
     kv = runner.pool.kv if kv is None else kv
-    attention = PagedAttention(kv, inputs.meta, TorchBackend(), runner.scales, runner.upcast)
-    return runner.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices, halves)
+    attention = PagedAttention(kv, inputs.meta, TorchBackend(), runner.scales, runner.upcast, halves)
+    return runner.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +75,8 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         runner = engine.runner
         inputs = runner.prepare(engine.scheduler.schedule().chunks)
-        assert len(inputs.meta.prefills) == len(LENGTHS) and not runner.compiled.covers(inputs)
-        compiled = runner.compiled.halves
+        assert len(inputs.meta.prefills) == len(LENGTHS) and not runner.decoder.covers(inputs)
+        compiled = runner.decoder.halves
         assert all(isinstance(half, LayerProgram) for half in compiled)
         pool = runner.pool.kv.clone()
         with torch.inference_mode():
@@ -118,7 +117,7 @@ def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_check
     # with [5, 64], one sequence decodes next to the other's chunks
     batches = [(random_prompts(LENGTHS, seed=7), MAX_TOKENS), (random_prompts([5, 64], seed=8), [12, 4])]
     with LLM(str(tiny_checkpoint), compile=True, block_size=8, max_num_batched_tokens=24) as llm:
-        backend, rows = llm.engine.runner.compiled.decode_backend, []
+        backend, rows = llm.engine.runner.decoder.attention_backend, []
         attend = backend._attend
         monkeypatch.setattr(backend, "_attend", lambda query, *args: rows.append(len(query)) or attend(query, *args))
         for prompts, max_tokens in batches:

@@ -168,7 +168,7 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
         def counted(program, name):
             return lambda *inputs: calls.append(name) or program(*inputs)
 
-        compiled = llm.engine.runner.compiled
+        compiled = llm.engine.runner.decoder
         compiled.alone = tuple(map(counted, compiled.alone, ("layer", "head")))
         del compiled
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want

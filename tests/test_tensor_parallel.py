@@ -87,7 +87,7 @@ def test_each_rank_loads_its_heads_slices(checkpoint_factory):
     full = load_model(path)
     C = full.config.n_embd
     for rank in range(2):
-        part = load_model(path, shard=Shard(rank, 2))
+        part = load_model(path, layout=Shard(rank, 2))
         attn, full_attn = part.h[1].attn, full.h[1].attn
         assert attn.n_head == 3
         heads = slice(rank * C // 2, (rank + 1) * C // 2)  # of q, of k and of v

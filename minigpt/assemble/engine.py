@@ -43,7 +43,7 @@ def build_engine(model: str, config: EngineConfig) -> Engine:
         plug_beam_search(engine)  # before the grammar mask: beams take their rows out of the step first
         plug_structured_outputs(engine)
         if config.speculative_config is not None:
-            plug_speculation(engine)
+            plug_speculation(engine, build_runner)
     except BaseException:
         engine.close()
         raise

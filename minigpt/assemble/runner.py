@@ -1,17 +1,58 @@
-"""The model runner an EngineConfig asks for."""
+"""The model runner an EngineConfig asks for: the model loaded with its linears, then its decode backend."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from minigpt.engine.config import EngineConfig
+from minigpt.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from minigpt.engine.runner import ModelRunner
+from minigpt.model.gpt2 import GPT2, load_model
+from minigpt.model.linears import prepare_linears, tile_rows
+from minigpt.model.weights import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from minigpt.tensor_parallel.shard import Shard
 
 
 def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
     """The engine's model runner: one process's, or rank 0's of a tensor-parallel group."""
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(path, config)
-    from minigpt.tensor_parallel.runner import TensorParallelRunner
+    if config.tensor_parallel_size > 1:
+        from minigpt.tensor_parallel.runner import TensorParallelRunner
 
-    return TensorParallelRunner(path, config)
+        return TensorParallelRunner(path, config, load_model_for)
+    graphs = resolve_device(config.device).type == "cuda" and not (config.enforce_eager or config.compile)
+    runner = ModelRunner(load_model_for(path, config), config, spare_blocks=int(graphs))
+    if config.compile:
+        from minigpt.compile.cache import ProgramCache
+        from minigpt.compile.steps import CompiledSteps
+
+        steps = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir),
+                              decodes=not config.batch_invariant)  # batch_invariant: every step attends eagerly
+        runner.decoder, runner.halves = steps, steps.halves
+        if runner.backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
+            runner.backend = steps.attention_backend
+    elif graphs:
+        pages = -(-runner.model.config.n_positions // config.block_size)
+        runner.decoder = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), pages,
+                                      runner.pool.num_blocks, config.block_size, runner.device)
+        runner.decoder.capture_all()
+    return runner
+
+
+def load_model_for(path: Path, config: EngineConfig, shard: Shard | None = None) -> GPT2:
+    """The model (or a rank's `shard`) with the linears `config` asks for and the shard's all-reduces."""
+    dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
+    model = load_model(path, dtype, device, layout=shard)
+    if config.quantize is not None:
+        from minigpt.quant.quantize import quantize
+
+        quantize(model, config.quantize)
+    else:
+        prepare_linears(model, dtype, device)
+    if config.batch_invariant and config.quantize != "w8a8":  # w8a8's integer products are per row already
+        tile_rows(model)
+    if shard is not None:
+        shard.reduce_projections(model)
+    return model

@@ -1,7 +1,8 @@
 """`compile=True`: the model's steps exported, compiled ahead of time and cached on disk.
 
     steps.py         CompiledSteps: the compiled programs and the steps they cover
-    cache.py         the program cache: keys, entries, building missing steps in worker processes
+    cache.py         the program cache: keys, signed entries, pruning
+    build.py         building the steps: export and AOTInductor, side by side in worker processes
     worker.py        `python -m minigpt.compile.worker`: one step built in a process of its own
     trust.py         what lets the cache load an entry: owned folders and signed manifests
     torch_compat.py  the torch internals compiling relies on, in one place

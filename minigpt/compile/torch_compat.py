@@ -1,13 +1,7 @@
-"""The torch APIs the compiled steps rely on, all in one place.
-
-The compiled steps are `torch.export`ed, with the model's tensors as inputs, and compiled by
-AOTInductor into packages loaded from disk, all of it newer than torch's stable core.
-`missing_internals()` names whatever a torch release moved; tests/test_torch_compat.py fails on it.
-"""
+"""The torch APIs the compiled steps rely on, in one place: `missing_internals()` names any a release moved."""
 
 from __future__ import annotations
 
-# Every torch API the compiled steps use that has moved or appeared in a recent release.
 INTERNALS = (
     "torch.export.export",
     "torch.export.Dim",
@@ -21,8 +15,7 @@ INTERNALS = (
 
 
 def missing_internals() -> list[str]:
-    """The names of `INTERNALS` this torch lacks (none on the releases minigpt has been run on)."""
-    import torch._inductor  # (not imported by `import torch`)
+    import torch._inductor  # not imported by `import torch`
 
     missing = []
     for name in INTERNALS:

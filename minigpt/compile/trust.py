@@ -1,12 +1,6 @@
-"""What lets the compile cache trust its entries (`compile_cache`): folders only this user can write,
-and a secret of this user's that signs each entry's manifest.
-
-AOTInductor packages hold shared objects, run as this user once loaded: an entry is loaded only from
-a folder owned by this user and writable by no one else, and only if its manifest (the SHA-256 of
-every package) carries the HMAC of this user's key, so an entry copied from elsewhere, planted or
-edited is never run. The key is 32 random bytes in `$XDG_CONFIG_HOME/minigpt/cache.key` (default
-`~/.config/minigpt`), created 0600 on first use.
-"""
+"""What lets the cache trust an entry (its packages are native code run as this user): a folder owned by this
+user and writable by no one else, and a manifest carrying the HMAC of this user's key, 32 random bytes created
+0600 in `$XDG_CONFIG_HOME/minigpt/cache.key` (default `~/.config/minigpt`)."""
 
 from __future__ import annotations
 
@@ -29,8 +23,7 @@ def key_file() -> Path:
 
 
 def check_private(path: Path, info: os.stat_result | None = None) -> None:
-    """Raise `Untrusted` unless `path` is owned by this user and writable by no one else (`info`: its
-    stat, when already taken)."""
+    """Raise `Untrusted` unless `path` is owned by this user and writable by no one else."""
     info = info or path.stat()
     if info.st_uid != os.geteuid():
         raise Untrusted(f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})")
@@ -67,8 +60,7 @@ def user_key() -> bytes:
 
 
 def _create_key(path: Path) -> None:
-    """Write a new key whole and link it into place: a process starting beside this one reads
-    either no key or all of one, and both end up with the first one linked."""
+    """A new key written whole, then linked into place: a racing process reads none or all of one."""
     fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".cache.key.")  # mode 0600
     try:
         with os.fdopen(fd, "wb") as file:

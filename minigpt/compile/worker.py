@@ -1,11 +1,7 @@
-"""`python -m minigpt.compile.worker SPEC PACKAGE THREADS PARENT`: one compiled step built in a process of
-its own, so that a first start builds its steps side by side on as many cores (`compile_cache`).
+"""`python -m minigpt.compile.worker SPEC PACKAGE THREADS PARENT`: one step built in a process of its own (build.py).
 
-SPEC: a `compile_cache.ProgramSpec` saved with `torch.save`; PACKAGE: the .pt2 to write; THREADS: the
-parent's torch threads, which inductor writes into the parallel loops; PARENT: the parent's pid.
-The worker leads a process group of its own, which it ends (itself and its compilers) on SIGTERM,
-SIGINT or SIGHUP, and when its parent dies (Linux).
-"""
+SPEC: a saved `ProgramSpec`; PACKAGE: the .pt2 to write; THREADS: the parent's torch threads (inductor writes
+them into its loops); PARENT: the parent's pid. It ends its process group on a signal or its parent's death."""
 
 from __future__ import annotations
 
@@ -17,15 +13,14 @@ import sys
 
 import torch
 
-from minigpt.compile.cache import ProgramSpec, compile_program
+from minigpt.compile.build import ProgramSpec, compile_program
 
 # What a spec is made of: minigpt's modules and functions, torch's modules, export's dims and bounds
 SPEC_MODULES = ("minigpt.", "torch.nn.modules.", "torch.export.dynamic_shapes.", "torch.utils._sympy.")
 
 
 def load_spec(path: str) -> ProgramSpec:
-    """The spec in `path`, unpickled with `weights_only=True`: only the objects of `SPEC_MODULES` it
-    names are allowed, so no other code runs."""
+    """The spec in `path`, unpickled allowing only the objects of `SPEC_MODULES` it names."""
     names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     foreign = [name for name in names if not name.startswith(SPEC_MODULES)]
     if foreign:
@@ -39,8 +34,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent d
 
 
 def end_with_parent(parent: int) -> None:
-    """End this worker's process group on SIGTERM, SIGINT or SIGHUP, and have the death of `parent`
-    (the process that started it) send SIGTERM."""
+    """End this worker's group on SIGTERM, SIGINT or SIGHUP, and on the death of `parent`."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _end_group)
     if sys.platform.startswith("linux"):

@@ -1,13 +1,6 @@
-"""CUDA graphs for decode steps: each step's ~130 small kernels replayed by one launch.
-
-At start the decode step is captured once for each batch size of a ladder (`capture_sizes`). A step of
-B decoding sequences replays the smallest captured size b >= B: its tokens, positions, slots, page tables
-and context lengths are copied into static buffers of b rows, and rows B..b-1 are padding that writes its
-K/V into a scratch page no sequence owns and reads one token of it back. Page tables are padded to the
-model's whole context, so one graph serves every context length. Steps with a prompt chunk, and decode
-batches above the largest size, run eagerly. The graphs run the model runner's own forward: eager and
-replayed steps are the same Python function.
-"""
+"""CUDA graphs of the decode step, captured at start for a ladder of batch sizes. B sequences replay the smallest
+size b >= B from static buffers; rows B..b-1 write and read a scratch page no sequence owns. Page tables span the
+model's context, so one graph serves every length. The graphs replay the runner's own eager forward."""
 
 from __future__ import annotations
 
@@ -22,19 +15,18 @@ from minigpt.model.attention import StepMetadata
 
 logger = logging.getLogger("minigpt")
 
-# forward(input_ids, positions, meta, logits_rows) -> logits: the model runner's eager step
+# forward(input_ids, positions, meta, logits_rows) -> logits
 Forward = Callable[[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor | None], torch.Tensor]
-# capture(fn, pool) -> replay: records fn once, then each replay() reruns it and returns its output tensor
+# capture(fn, pool) -> replay: fn recorded once, each replay() reruns it and returns its output
 Capture = Callable[[Callable[[], torch.Tensor], object], Callable[[], torch.Tensor]]
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every 16, and `max_batch` itself."""
+    """1, 2, 4, 8, then every 16, and `max_batch` itself."""
     return sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(16, max_batch, 16)) | {max_batch})
 
 
 def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool: object) -> Callable[[], torch.Tensor]:
-    """`fn` captured in a CUDA graph whose memory comes from `pool` (shared by every size)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
@@ -47,10 +39,7 @@ def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool: object) -> Callable
 
 
 class DecodeGraphs:
-    """The decode step replayed from graphs captured at start, for batches of up to `max(sizes)` sequences.
-
-    scratch_block: a page of the pool no sequence owns, written and read by padding rows; max_pages: page
-    table width (the model's context in pages)."""
+    """A decode backend for batches of up to `max(sizes)` sequences; max_pages: the page tables' width."""
 
     def __init__(self, forward: Forward, sizes: list[int], max_pages: int, scratch_block: int, block_size: int,
                  device: torch.device, capture: Capture = cuda_graph_capture) -> None:
@@ -66,11 +55,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size, largest first, all in one memory pool: a smaller graph reuses the larger's."""
+        """Every size, largest first, in one memory pool that the smaller graphs reuse."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.input_ids.is_cuda else None
         for size in reversed(self.sizes):
-            self._step(size)  # warm-up outside the graph: Triton's compile, cuBLAS's handles, sized buffers
+            self._step(size)  # warm-up outside the graph: Triton's compile, cuBLAS's handles, buffers
             self.graphs[size] = self.capture(lambda size=size: self._step(size), pool)
         logger.info("CUDA graphs: decode captured for %d batch sizes (1..%d) in %.1f s", len(self.sizes),
                     self.sizes[-1], time.perf_counter() - start)
@@ -80,16 +69,13 @@ class DecodeGraphs:
         return self.forward(self.input_ids[:size], self.positions[:size], meta, None)
 
     def covers(self, inputs) -> bool:
-        """A decode-only step of at most the largest captured batch."""
         return inputs.meta.decode_only and len(inputs.input_ids) <= self.sizes[-1]
 
     def bucket(self, batch: int) -> int:
-        """The captured size that a batch of `batch` sequences replays: the smallest that holds it."""
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
 
     def __call__(self, inputs) -> torch.Tensor:
-        """Logits [B, vocab] of a step `covers` takes (a copy: the graph's own output is overwritten by the
-        next replay)."""
+        """Logits [B, vocab], copied: the next replay overwrites the graph's output."""
         meta, batch = inputs.meta, len(inputs.input_ids)
         size = self.bucket(batch)
         tables = meta.decode_block_tables
@@ -98,7 +84,7 @@ class DecodeGraphs:
         self.slots[:batch].copy_(meta.slot_mapping)
         self.tables[:batch, : tables.shape[1]].copy_(tables)
         self.lens[:batch].copy_(meta.decode_context_lens)
-        if size > batch:  # rows a larger step left behind are padding again
+        if size > batch:  # rows a larger step left are padding again
             self.slots[batch:size].fill_(self.scratch_slot)
             self.tables[batch:size].fill_(self.scratch_block)
             self.lens[batch:size].fill_(1)

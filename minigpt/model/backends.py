@@ -1,12 +1,5 @@
-"""Decode attention over the paged pool, one backend chosen when the engine starts.
-
-Every backend has `store_kv(k, v, k_cache, v_cache, slot_mapping)` and `decode(query, k_cache,
-v_cache, block_tables, context_lens, scale)`; one layer's pages are (blocks, block_size, H, D).
-- `TorchBackend`: the PyTorch reference (kernels/reference.py); runs anywhere, never imports Triton.
-- `compiled.CompiledDecodeBackend`: the same attention as one compiled graph that reads the pages in
-  place (`compile=True` on the torch backend).
-- `TritonBackend`: the Triton kernels of kernels/ (CUDA, or Triton's interpreter in tests).
-"""
+"""Decode attention over the paged pool, one backend chosen at start: `store_kv(k, v, k_cache, v_cache, slots)` and
+`decode(query, k_cache, v_cache, block_tables, context_lens, scale)`, a layer's pages (blocks, block_size, H, D)."""
 
 from __future__ import annotations
 
@@ -19,18 +12,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """The engine's KV write: like `reference.store_kv`, minus its support for padding rows
-    (slot -1), which the engine never emits and whose boolean masking copies every row."""
+    """`reference.store_kv` without padding rows (slot -1), whose masking copies every row."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 class TorchBackend:
-    """Decode attention through the PyTorch reference.
-
-    The pages are gathered into a buffer kept for the engine's life (grown to the largest step so far),
-    and converted into a second one when the pool's dtype is not the query's: a fresh tensor above
-    glibc's mmap threshold would be mapped and page-faulted anew at every step."""
+    """kernels/reference.py, its gather buffers kept (a fresh one above glibc's mmap threshold page-faults)."""
 
     name = "torch"
     store_kv = staticmethod(store_kv)
@@ -58,20 +46,18 @@ class TorchBackend:
         )
 
     def close(self) -> None:
-        """Free the gather buffers (the engine is closing)."""
         self.workspace = self.converted = torch.empty(0)
 
 
 def _at_least(buffer: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """`buffer` if it has `like`'s dtype and device and room for `numel` elements, else a new one that has."""
+    """`buffer`, or a new one where it lacks `like`'s dtype, device or `numel` elements."""
     if buffer.dtype == like.dtype and buffer.device == like.device and buffer.numel() >= numel:
         return buffer
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
 class TritonBackend:
-    """Decode attention and KV stores through the Triton kernels: compiled on CUDA; on other devices
-    only under Triton's interpreter (TRITON_INTERPRET=1 before triton is first imported), for tests."""
+    """The Triton kernels: on CUDA, or under Triton's interpreter (TRITON_INTERPRET=1) in tests."""
 
     name = "triton"
 
@@ -82,11 +68,11 @@ class TritonBackend:
 
         self.store_kv = kv_store.store_kv
         self.decode = paged_attention.paged_decode_attention
-        # triton.jit reads TRITON_INTERPRET when it decorates: the kernels' type says which way they went.
+        # triton.jit reads TRITON_INTERPRET when it decorates
         self.interpreted = not isinstance(paged_attention._paged_decode_kernel, JITFunction)
 
     def close(self) -> None:
-        """Nothing to free: the kernels keep no buffers."""
+        pass
 
 
 def select_backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:

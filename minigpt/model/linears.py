@@ -1,36 +1,20 @@
-"""Unquantized linears on the CPU: for each dtype and CPU class, the fastest product measured
-(the numbers: scripts/PERFORMANCE.md, "Measurements behind choices in the code").
-
-- `PackedLinear`: the weight reordered once, at load, into oneDNN's blocked layout, which `F.linear`
-  otherwise redoes on every call. bf16 where the CPU multiplies bf16 natively; fp32 on AVX2 CPUs.
-- `HalfWeightLinear`: bf16/fp16 weights on a CPU without that arithmetic, where torch emulates it.
-  Up to `SMALL_BATCH` rows the half kernel runs (it reads half the bytes); beyond, the weight is
-  upcast and multiplied in fp32 by oneDNN, a few thousand rows at a time.
-  torch's `_is_mkldnn_bf16_supported` is true on every AVX-512 CPU, but only avx512_bf16 or AMX
-  multiply bf16 natively: `native_bf16` checks the CPU's flags too.
-
-Both run as ops of our own, opaque to the compiled steps: a packed weight is an opaque `torch._mkldnn`
-tensor `torch.export` cannot take, so the op takes a small handle tensor instead and finds the packed
-weight by the handle's address (as `fbgemm_int8` does); the half product branches on the batch size at
-run time. `torch.library.Library` defines them (the `custom_op` decorator's wrapper costs more per
-call). Opaque also means a model with these linears cannot be deep-copied, saved or cast.
-"""
+"""Unquantized CPU linears, the fastest product per dtype and CPU: `PackedLinear`, `HalfWeightLinear`; ops of our
+own, opaque to export (a packed weight found by its handle's address), so such a model cannot be copied or cast."""
 
 from __future__ import annotations
 
 import functools
 import platform
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minigpt.model.gpt2 import replace_linears
-
-SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting (GPT-2, 4 rows: 60 vs 96 ms; 16: 247 vs 134)
+SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting to fp32
 TILE_ROWS = 16  # rows in every product of a `RowTiles` linear
-UPCAST_ROWS = 4096  # weight rows upcast at a time: 12 MB of fp32 for GPT-2's 768 inputs
+UPCAST_ROWS = 4096  # weight rows upcast at a time
 _PACKED: dict[int, torch.Tensor] = {}  # data_ptr of a PackedLinear's handle -> its weight in oneDNN's layout
 
 
@@ -52,7 +36,6 @@ def _half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def _linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`weight`: the weight, or a packed weight's handle: [out_features] either way."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -64,8 +47,7 @@ for _name, _kernel in (("packed_linear", _packed_linear), ("half_weight_linear",
 
 
 class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight lives only in oneDNN's packed layout, for as long as its
-    `handle` (one byte per output feature) lives."""
+    """The weight reordered once into oneDNN's blocked layout, living as long as `handle`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -81,7 +63,7 @@ class PackedLinear(nn.Module):
 
 
 class HalfWeightLinear(nn.Module):
-    """A frozen half-precision nn.Linear for a CPU without half arithmetic (see the module's docstring)."""
+    """A frozen half nn.Linear: the half kernel up to `SMALL_BATCH` rows, else upcast to fp32 by oneDNN."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -94,9 +76,7 @@ class HalfWeightLinear(nn.Module):
 
 
 class RowTiles(nn.Module):
-    """A linear run `TILE_ROWS` rows at a time, the last tile padded with zeros (`batch_invariant=True`):
-    a float matrix product's reduction order follows its number of rows, so each row's result would
-    otherwise depend on how many rows share its product."""
+    """A linear run `TILE_ROWS` rows at a time (a product's reduction order follows its rows): batch_invariant."""
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
@@ -111,7 +91,6 @@ class RowTiles(nn.Module):
 
 
 def tile_rows(model: nn.Module) -> nn.Module:
-    """Wrap every linear of `model` (nn.Linear or one of its replacements) in place in `RowTiles`."""
     for module in list(model.modules()):
         if isinstance(module, RowTiles):
             continue
@@ -122,7 +101,7 @@ def tile_rows(model: nn.Module) -> nn.Module:
 
 
 def x86_flags() -> frozenset[str] | None:
-    """This x86 CPU's feature flags from /proc/cpuinfo; None on other CPUs or where it cannot be read."""
+    """This x86 CPU's /proc/cpuinfo flags; None on other CPUs or where unreadable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
@@ -135,8 +114,7 @@ def x86_flags() -> frozenset[str] | None:
 
 @functools.cache
 def native_bf16() -> bool:
-    """oneDNN runs bf16 and the CPU multiplies it natively (an x86 CPU whose flags cannot be read is
-    taken at oneDNN's word)."""
+    """oneDNN runs bf16 and the CPU multiplies it natively (avx512_bf16 or AMX, not just AVX-512)."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     flags = x86_flags()
@@ -154,10 +132,19 @@ def cpu_linear_for(dtype: torch.dtype, device: torch.device) -> type[nn.Module] 
         return None
     if not native[dtype]():
         return HalfWeightLinear
-    return PackedLinear if dtype == torch.bfloat16 else None  # packed fp16 was slower for GPT-2's head
+    return PackedLinear if dtype == torch.bfloat16 else None  # packed fp16 was slower on GPT-2's head
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Swap every nn.Linear of `model` in place for `make(linear)` (quantized, packed, ...)."""
+    parents = [module for module in model.modules() if not isinstance(module, nn.Linear)]
+    for module in parents:  # each replaced one is freed at once, not when all are
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, make(child))
+    return model
 
 
 def prepare_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Replace every nn.Linear of an unquantized `model` in place by the linear `cpu_linear_for` picks."""
     kind = cpu_linear_for(dtype, device)
     return model if kind is None else replace_linears(model, kind)

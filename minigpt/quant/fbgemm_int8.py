@@ -1,14 +1,6 @@
-"""int8 x int8 matrix products through fbgemm, for x86 CPUs without AVX-512, where `torch._int_mm`
-runs a naive loop.
-
-fbgemm multiplies unsigned 8-bit activations by signed 8-bit weights with AVX2's `vpmaddubsw`, which
-adds pairs of products into 16 bits and saturates. Activations of 7 bits (|q| <= 63, offset by 64 into
-[1, 127]) cannot saturate, so the products are exact integers, the same `_int_mm` gives.
-
-fbgemm's packed weight is a torchbind object that torch.compile cannot trace, so the product is an op
-of our own over the int8 weight tensor, which finds its packed form in `_PACKED`, defined with
-`torch.library.Library` (the `custom_op` decorator's wrapper costs more per call).
-"""
+"""int8 x int8 products through fbgemm on x86 CPUs without AVX-512 (where `torch._int_mm` runs a naive loop).
+AVX2's `vpmaddubsw` saturates 16-bit pair sums: 7-bit activations (offset by 64 into [1, 127]) keep the products
+exact. The packed weight is a torchbind object compile cannot trace, so the product is an op of our own."""
 
 from __future__ import annotations
 
@@ -24,21 +16,19 @@ _PACKED: dict[int, torch.ScriptObject] = {}  # data_ptr of an int8 weight -> its
 
 
 def built_in() -> bool:
-    """This torch has fbgemm and the quantized ops used here (not every build or version does)."""
     return "fbgemm" in torch.backends.quantized.supported_engines and all(
         hasattr(torch.ops.quantized, op) for op in _OPS
     )
 
 
 def available(device: torch.device) -> bool:
-    """fbgemm's kernels are the fast int8 products on this CPU: x86 without AVX-512, where
-    `torch._int_mm` has no vectorized kernel (with AVX-512 it runs oneDNN's, faster than fbgemm)."""
+    """fbgemm is the fast int8 product here: AVX2 only (with AVX-512 `torch._int_mm` runs oneDNN's, faster)."""
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2" and built_in()
 
 
 def pack(weight: torch.Tensor) -> None:
-    """Pack an int8 [out, in] weight for `int8_mm`, for as long as the tensor lives."""
-    with warnings.catch_warnings():  # torch deprecates creating quantized tensors; fbgemm's packing takes one
+    """Pack an int8 [out, in] weight for `int8_mm` while the tensor lives."""
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm's packing takes one
         warnings.simplefilter("ignore", UserWarning)
         quantized = torch._make_per_tensor_quantized_tensor(weight, 1.0, 0)
         _PACKED[weight.data_ptr()] = torch.ops.quantized.linear_prepack(quantized, None)

@@ -1,15 +1,6 @@
-"""int8 linears, two ways; every nn.Linear of the model (attention, MLP, LM head) is replaced.
-
-- `int8` (weight-only): weights rounded per output channel (absmax / 127), activations untouched:
-  `x @ W_int8^T * scale + bias`, gpt-fast's recipe. A quarter of fp32's weight bytes.
-- `w8a8`: the same int8 weights, and each activation row quantized to int8 on the fly with its own
-  scale, so the product runs as an int8 x int8 matrix multiply (VNNI on x86 CPUs). Per-row (per
-  token) scales keep a request's result independent of what else is in the batch. Faster than
-  weight-only on the CPU at every batch size measured, at some accuracy cost (see tests).
-  The products run through fbgemm on AVX2-only CPUs (`fbgemm_int8`), else through `torch._int_mm`,
-  eager and compiled alike, except in a compiled program of one row on the CPU, where weights of up to
-  `ONE_ROW_MAX_INPUTS` inputs take `one_row_products` (the same integers).
-"""
+"""int8 linears replacing every nn.Linear: `int8` (weight-only, per-channel absmax / 127, gpt-fast's recipe) and
+`w8a8` (each activation row also rounded to int8 with its own scale: exact integer products, per row so a request
+does not depend on its batch), through `torch._int_mm`, or fbgemm on AVX2-only CPUs (`fbgemm_int8`)."""
 
 from __future__ import annotations
 
@@ -19,25 +10,22 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minigpt.engine.config import QUANTIZATIONS
-from minigpt.model.gpt2 import replace_linears
+from minigpt.model.linears import replace_linears
 from minigpt.quant import fbgemm_int8
 
 EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24
-# Inputs up to which a compiled program of one row takes `one_row_products` over `torch._int_mm`: faster
-# with 3072 and 4096 (gpt2's and gpt2-medium's MLP projections), slower with 6400 (gpt2-xl's)
-ONE_ROW_MAX_INPUTS = 4096
+ONE_ROW_MAX_INPUTS = 4096  # inputs up to which a compiled program of one row takes `one_row_products`
 
 
 class Int8Linear(nn.Module):
-    """A frozen nn.Linear with its weight stored as int8 plus one scale per output channel."""
+    """A frozen nn.Linear: int8 weight, one scale per output channel."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight, scales = round_to_int8(linear.weight.detach().float())
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales.to(linear.weight.dtype))
-        # The CPU kernel takes half-precision activations and scales of the same dtype: keep those
-        # scales ready instead of converting them on every call.
+        # the CPU kernel takes half activations and scales of their dtype
         self.register_buffer("half_scales", scales.to(_half_dtype(linear.weight.dtype)))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -45,10 +33,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.device.type == "cpu" and self.in_features % 8 == 0:
-            # torch's CPU int8 kernel is vectorized for half activations only (fp32 input measured
-            # ~10x slower), so fp32 activations pass through bf16 for this product. It reads inputs
-            # 8 at a time: other sizes gave wrong products or crashed (torch 2.13, AVX2), so they
-            # take the dequantizing product below (GPT-2's sizes are all multiples of 64).
+            # vectorized for half activations only; inputs read 8 at a time (other sizes: wrong products)
             half = flat.to(self.half_scales.dtype)
             out = torch.ops.aten._weight_int8pack_mm(half, self.weight, self.half_scales).to(flat.dtype)
         else:
@@ -59,11 +44,7 @@ class Int8Linear(nn.Module):
 
 
 class W8A8Linear(Int8Linear):
-    """int8 weights and per-row dynamically quantized int8 activations, exact integer products.
-
-    On x86 CPUs without AVX-512 the products run through fbgemm (`fbgemm_int8`), whose AVX2 kernels
-    are exact only for 7-bit activations: there each row is rounded to [-63, 63] instead of
-    [-127, 127], a coarser rounding of the activations for 8-26x faster products."""
+    """int8 weights and per-row int8 activations ([-63, 63] through fbgemm, exact only for 7 bits)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -82,8 +63,7 @@ class W8A8Linear(Int8Linear):
         elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
             products = one_row_products(quantized, self.weight)
         else:
-            # weight is [out, in] contiguous: its transpose view is the column-major [in, out] operand
-            # torch's int8 matmul reads fastest (measured ~1.3-2x over a contiguous [in, out] copy).
+            # the transposed view: the column-major operand torch's int8 matmul reads fastest
             products = torch._int_mm(quantized.to(torch.int8), self.weight.t()).float()
         out = products.mul_(row_scales).mul_(self.scales)
         if self.bias is not None:
@@ -92,24 +72,17 @@ class W8A8Linear(Int8Linear):
 
 
 def one_row_products(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """row [1, K] of int8 values as floats, weight [N, K] int8 -> their products [1, N] as
-    `torch._int_mm(row, weight.t()).float()` gives them: exact integers, rounded to fp32 once.
-
-    A reduction the compiler fuses with the weight's conversion, which reads the weight faster than
-    `torch._int_mm` at one row (up to `ONE_ROW_MAX_INPUTS`); summed in fp32 over pieces of K short enough
-    to be exact, then in int32."""
+    """row [1, K] of int8 values as floats, weight [N, K] int8 -> `torch._int_mm(row, weight.t()).float()`: a
+    reduction the compiler fuses with the weight's conversion, exact in fp32 over short pieces, then int32."""
     n, k = weight.shape
-    row = row.as_strided(row.shape, row.stride())  # a view the compiler stores: else it rounds the row per output
+    row = row.as_strided(row.shape, row.stride())  # stored once: else the compiler rounds the row per output
     piece = max(size for size in range(1, EXACT_TERMS + 1) if k % size == 0)
     pieces = (row.view(1, k // piece, piece) * weight.view(n, k // piece, piece).float()).sum(-1)
     return pieces.to(torch.int32).sum(-1).float()[None]
 
 
 def round_to_int8(weight: torch.Tensor, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float weight -> (int8 [out, in], fp32 scales [out]): each row rounded to its absmax / 127.
-
-    `rows` rows at a time through one small buffer: a quotient of the whole weight would be a fresh
-    allocation the size of the weight (gigabytes for gpt2-xl), whose page faults cost more than the division."""
+    """[out, in] float weight -> (int8, fp32 scales [out]), `rows` at a time (a whole quotient would page-fault)."""
     low, high = torch.aminmax(weight, dim=1)
     scales = torch.maximum(high, -low).clamp(min=1e-12) / 127.0
     rounded = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
@@ -126,7 +99,6 @@ def _half_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
-    """Replace every nn.Linear of `model` in place by its `mode` ("int8" or "w8a8") version."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {mode!r}")
     return replace_linears(model, Int8Linear if mode == "int8" else W8A8Linear)

@@ -3,7 +3,9 @@ batched forwards, its K/V of rejected drafts rolled back before the next proposa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.kv_cache import BlockManager
@@ -36,13 +38,13 @@ class DraftModel:
     """The draft checkpoint's runner and pool (as many tokens as the target's, no prefix cache)."""
 
     def __init__(self, model: str, config: EngineConfig, num_tokens: int, tokenizer: Tokenizer,
-                 vocab_limit: int) -> None:
+                 vocab_limit: int, build_runner: Callable[[Path, EngineConfig], ModelRunner]) -> None:
         path = resolve_checkpoint(model)
         check_complete(path)
         check_same_tokenizer(Tokenizer.from_dir(path), tokenizer, model)
         draft_config = replace(config, kv_cache_tokens=num_tokens, speculative_config=None,
-                               enable_prefix_caching=False)
-        self.runner = ModelRunner(path, draft_config)
+                               enable_prefix_caching=False, tensor_parallel_size=1)
+        self.runner = build_runner(path, draft_config)
         if self.runner.model.config.vocab_size < vocab_limit:
             raise ValueError(f"the draft model {model!r} has {self.runner.model.config.vocab_size} token ids, "
                              f"fewer than the target's {vocab_limit}")

@@ -6,9 +6,12 @@ work; when no k pays, it probes with one draft after a pause that doubles each t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.engine import Engine
 from minigpt.engine.kv_cache import BlockManager
+from minigpt.engine.runner import is_decode
 from minigpt.engine.sequence import Sequence
 from minigpt.engine.speculative_config import SpeculativeConfig
 from minigpt.sampling import TokenLogprobs
@@ -34,14 +37,16 @@ class Speculator:
     """Proposes drafts (n-gram lookup or a draft model) and learns per sequence how many pay off."""
 
     def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, tokenizer: Tokenizer,
-                 vocab_limit: int, blocks: BlockManager, num_kv_tokens: int, target_params: int) -> None:
+                 vocab_limit: int, blocks: BlockManager, num_kv_tokens: int, target_params: int,
+                 build_runner: Callable) -> None:
         self.config, self.blocks = config, blocks
         self.draft_model = None
         self.draft_cost = 0.0  # one draft forward, in target forwards
         if config.method == "draft_model":
             from minigpt.speculative.draft import DraftModel
 
-            self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit)
+            self.draft_model = DraftModel(config.model, engine_config, num_kv_tokens, tokenizer, vocab_limit,
+                                          build_runner)
             self.draft_cost = sum(p.numel() for p in self.draft_model.runner.model.parameters()) / target_params
         self._adaptive: dict[Sequence, _Adaptive] = {}
         # just above the break-even of one draft: (1 + a) tokens for 1 + draft_cost + VERIFY_COST_PER_TOKEN
@@ -52,7 +57,7 @@ class Speculator:
         budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
         seqs, ks = [], []
         for seq, chunk in chunks:
-            if chunk != 1 or seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens == 0:
+            if not is_decode(seq, chunk):
                 continue  # a prompt chunk
             if seq.grammar is not None:
                 continue  # structured outputs: the grammar takes one token a step
@@ -133,10 +138,12 @@ class Speculator:
             self.draft_model.close()
 
 
-def plug_speculation(engine: Engine) -> None:
-    """The speculator engine.config.speculative_config asks for (a draft model loads here)."""
+def plug_speculation(engine: Engine, build_runner: Callable) -> None:
+    """The speculator engine.config.speculative_config asks for (a draft model's runner built by `build_runner`,
+    as the target's is)."""
     runner = engine.runner
     engine.speculator = Speculator(
         SpeculativeConfig.parse(engine.config.speculative_config), engine.config, engine.tokenizer,
         engine.vocab_limit, engine.blocks, runner.pool.num_tokens, sum(p.numel() for p in runner.model.parameters()),
+        build_runner,
     )

@@ -1,6 +1,5 @@
-"""The ranks' process group: torch.distributed's gloo on the CPU, NCCL on CUDA, rendezvous over a
-TCP store on this machine. The group is a plain object, not torch.distributed's default group, so a
-process can hold several (two tensor-parallel LLMs) beside a default group of its own."""
+"""The ranks' process group (gloo on the CPU, NCCL on CUDA) over a local TCP store; not torch.distributed's
+default group, so a process can hold several."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ def join_store(port: int, world: int) -> dist.TCPStore:
 
 
 def open_group(store: dist.Store, rank: int, world: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the `world` ranks' group (every rank calls this at once): NCCL on CUDA, gloo on the CPU."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
@@ -33,8 +31,6 @@ def open_group(store: dist.Store, rank: int, world: int, device: torch.device) -
 
 
 def all_reducer(group: dist.ProcessGroup) -> Callable[[torch.Tensor], None]:
-    """Sum a tensor over the group's ranks, in place."""
-
     def all_reduce(tensor: torch.Tensor) -> None:
         group.allreduce([tensor]).wait()
 

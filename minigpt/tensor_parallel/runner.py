@@ -1,12 +1,6 @@
-"""Tensor parallelism's processes. Rank 0 is the caller's process: its engine schedules, its runner
-sends every step's inputs to the other ranks, runs its own shard and samples from the logits. Ranks
-1..N-1 are worker processes this runner spawns: each loads its shard, then runs the steps it receives
-until it is told to stop or rank 0 goes away.
-
-Steps travel over one pipe per worker (a few KB of token ids and page tables, pickled as lists); the
-activations' all-reduces go through the process group (group.py). A worker that dies breaks the
-group: the step in flight fails (its collective errors or times out), and so does every later step.
-"""
+"""Tensor parallelism's processes: rank 0's runner (the caller's process) sends each step's inputs down one pipe
+per worker rank it spawns, runs its own shard and returns the logits; the all-reduces go through the group. A
+worker that dies breaks the group: the step in flight fails, and every later one."""
 
 from __future__ import annotations
 
@@ -25,14 +19,16 @@ from minigpt.engine.config import EngineConfig
 from minigpt.engine.runner import ModelRunner, StepInputs
 from minigpt.model.attention import StepMetadata
 from minigpt.model.config import GPT2Config
+from minigpt.model.gpt2 import GPT2
 from minigpt.model.weights import resolve_device
 from minigpt.tensor_parallel.group import all_reducer, close_group, join_store, open_group, open_store
 from minigpt.tensor_parallel.shard import Shard, check_divisible
 
-LOAD_TIMEOUT_S = 600  # a worker imports torch and loads its shard
-STOP_TIMEOUT_S = 10  # a worker told to stop has finished its step: then it is terminated
+LOAD_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 10  # then a worker told to stop is killed
 STOPPED_STATES = ("T", "t")  # stopped by a signal, or by a tracer
-DEATH_GRACE_S = 1.0  # a killed rank's sockets close before its exit can be seen: a failed step waits that long
+DEATH_GRACE_S = 1.0  # a killed rank's sockets close before its exit shows
+Load = Callable[[Path, EngineConfig, Shard], GPT2]
 
 
 @dataclass
@@ -43,8 +39,7 @@ class Worker:
 
 
 class Ranks:
-    """The worker processes and the group; `stop()` ends them all, at close or (as a finalizer) when the
-    runner is collected or the process exits."""
+    """The worker processes and the group; `stop()` (close, or the runner's finalizer) ends them all."""
 
     def __init__(self) -> None:
         self.workers: list[Worker] = []
@@ -53,7 +48,7 @@ class Ranks:
     def stop(self) -> None:
         for worker in self.workers:
             try:
-                worker.conn.send_bytes(b"")  # stop
+                worker.conn.send_bytes(b"")
             except OSError:
                 pass
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -70,7 +65,7 @@ class Ranks:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: starts ranks 1..N-1, runs each step on every rank."""
 
-    def __init__(self, path: Path, config: EngineConfig) -> None:
+    def __init__(self, path: Path, config: EngineConfig, load: Load) -> None:
         world = config.tensor_parallel_size
         check_divisible(GPT2Config.from_json_file(path / "config.json"), world)
         device = resolve_device(config.device)
@@ -87,14 +82,15 @@ class TensorParallelRunner(ModelRunner):
             for rank in range(1, world):
                 conn, child_conn = context.Pipe()
                 process = context.Process(
-                    target=worker_main, args=(rank, world, store.port, path, config, child_conn),
+                    target=worker_main, args=(rank, world, store.port, path, config, load, child_conn),
                     name=f"minigpt-tp-rank{rank}", daemon=True,
                 )
                 process.start()
                 child_conn.close()
                 self.ranks.workers.append(Worker(rank, process, conn))
             self.shard = Shard(0, world)
-            super().__init__(path, config, self.shard)
+            model = load(path, config, self.shard)
+            super().__init__(model, config, self.shard.cache_config(model.config))
             for worker in self.ranks.workers:
                 _wait_loaded(worker)
             self.ranks.group = open_group(store, 0, world, self.device)
@@ -104,7 +100,7 @@ class TensorParallelRunner(ModelRunner):
             raise
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Every rank runs the step; rank 0's logits (full: the head is replicated) come back."""
+        """Every rank runs the step; rank 0's logits (the head is replicated) come back."""
         self._check_ranks()
         step, self._copies = (self._copies, model_inputs(inputs, pack)), []
         payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
@@ -116,7 +112,7 @@ class TensorParallelRunner(ModelRunner):
             self._broken = f"a tensor-parallel step failed ({type(err).__name__}: {err})"
             for worker in self.ranks.workers:
                 worker.process.join(DEATH_GRACE_S)
-            self._check_ranks()  # name the rank that died, if one did
+            self._check_ranks()
             raise RuntimeError(self._broken + "; close this LLM and start another") from err
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -125,7 +121,7 @@ class TensorParallelRunner(ModelRunner):
         self._copies += copies
 
     def problem(self) -> str | None:
-        """A rank that exited or is stopped (SIGSTOP: its next step would hang), or the step that broke the group."""
+        """A rank that exited or is stopped (its next step would hang), or the step that broke the group."""
         for worker in self.ranks.workers:
             if not worker.process.is_alive():
                 return f"tensor-parallel rank {worker.rank} exited (exit code {worker.process.exitcode})"
@@ -147,7 +143,7 @@ class TensorParallelRunner(ModelRunner):
 
 
 def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
-    """What the model reads of a step (not the Sequences to sample), each tensor through `convert`."""
+    """What the model reads of a step, each tensor through `convert`."""
     meta = inputs.meta
     segments = [replace(seg, block_table=None if seg.block_table is None else convert(seg.block_table))
                 for seg in meta.prefills]
@@ -161,7 +157,7 @@ def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
 
 
 def pack(tensor: torch.Tensor) -> tuple[torch.dtype, list]:
-    """A step's tensor as what pickles fastest: its values as lists (a tensor pickles through torch.save)."""
+    """A tensor as what pickles fastest: lists (a tensor pickles through torch.save)."""
     return tensor.dtype, tensor.tolist()
 
 
@@ -170,7 +166,7 @@ def unpacker(device: torch.device) -> Callable[[tuple[torch.dtype, list]], torch
 
 
 def _process_state(pid: int) -> str | None:
-    """The state letter Linux's /proc shows for `pid` (None where there is no /proc, or no such process)."""
+    """The state letter /proc shows for `pid`; None without /proc or such a process."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rpartition(")")[2].split()[0]
@@ -191,16 +187,17 @@ def _wait_loaded(worker: Worker) -> None:
         raise RuntimeError(f"tensor-parallel rank {worker.rank} could not start: {error}")
 
 
-def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConfig, conn: Connection) -> None:
-    """Rank `rank`: load the shard, join the group, then run steps until told to stop (an empty message)
-    or until rank 0's end of the pipe closes."""
+def worker_main(rank: int, world: int, port: int, path: Path, config: EngineConfig, load: Load,
+                conn: Connection) -> None:
+    """Rank `rank`: load the shard, join the group, run steps until an empty message or rank 0's pipe closes."""
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if resolve_device(config.device).type == "cuda":
             torch.cuda.set_device(rank)
         shard = Shard(rank, world)
-        runner = ModelRunner(path, config, shard)
+        model = load(path, config, shard)
+        runner = ModelRunner(model, config, shard.cache_config(model.config))
         store = join_store(port, world)
     except Exception as err:
         conn.send(f"{type(err).__name__}: {err}")
