@@ -67,7 +67,7 @@ def test_the_check_names_what_a_wheel_lacks(wheel, tmp_path):
 def test_the_modules_ci_imports_are_the_trees(wheel):
     listed = subprocess.run([sys.executable, str(CHECK), "--modules"], capture_output=True, text=True, check=True)
     modules = set(listed.stdout.split())
-    assert {"minigpt", "minigpt.kernels", "minigpt.kernels.paged_attention", "minigpt.speculative.config",
+    assert {"minigpt", "minigpt.kernels", "minigpt.kernels.paged_attention", "minigpt.engine.speculative_config",
             "minigpt.tensor_parallel", "minigpt.cli"} <= modules
     with zipfile.ZipFile(wheel) as archive:
         installed = {name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
