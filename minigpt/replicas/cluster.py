@@ -12,19 +12,42 @@ from types import ModuleType
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+def bind_loopback() -> None:
+    """In each worker of a local cluster: Serve replicas' own gRPC server listens on 127.0.0.1, not every interface."""
+    from ray.serve._private import replica
+
+    add_port = replica.add_port_to_grpc_server
+    replica.add_port_to_grpc_server = lambda server, address: add_port(server, address.replace("[::]", "127.0.0.1"))
+
+
+# ray.init's arguments for a local cluster on loopback
+LOCAL = {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
+         "runtime_env": {"worker_process_setup_hook": f"{__name__}.bind_loopback"}}
+
+
+def prepare_local_cluster() -> None:
+    """Before ray is imported: a local cluster started by this process listens on 127.0.0.1 only."""
+    for name, value in LOOPBACK_ONLY.items():
+        os.environ.setdefault(name, value)  # the cluster's processes inherit it
+
+
 @contextmanager
 def ray_cluster(address: str | None, quiet: bool) -> Iterator[ModuleType]:
     """`ray` connected for the block (address None: a new local cluster); a process already connected keeps it."""
     if address is None:
-        for name, value in LOOPBACK_ONLY.items():
-            os.environ.setdefault(name, value)  # the local cluster's processes inherit it
+        prepare_local_cluster()
     import ray
+    from ray._private import ray_constants
 
+    asked = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
+    if address is None and asked and ray_constants.ENABLE_RAY_CLUSTER and not ray.is_initialized():
+        raise RuntimeError("ray was imported before minigpt asked it for a loopback-only cluster: call "
+                           "minigpt.replicas.cluster.prepare_local_cluster() first, or give --ray-address")
     if ray.is_initialized():
         yield ray
         return
     level = logging.WARNING if quiet else logging.INFO
-    where = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"} if address is None else {"address": address}
+    where = LOCAL if address is None else {"address": address}
     ray.init(log_to_driver=not quiet, logging_level=level, **where)
     try:
         yield ray

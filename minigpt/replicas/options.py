@@ -21,8 +21,17 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GPUs Ray reserves for each replica (default: 1 with --device cuda, else 0)")
 
 
+def add_autoscaling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("autoscaling (with the ray extra)")
+    group.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                       help="autoscale the replicas on queue depth, down to N (default: 1 with --max-replicas)")
+    group.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                       help="... up to N, each replica's target its --max-num-seqs requests in flight")
+
+
 def uses_ray(args: argparse.Namespace) -> bool:
-    return args.replicas > 1 or args.ray_address is not None
+    autoscaled = getattr(args, "min_replicas", None) is not None or getattr(args, "max_replicas", None) is not None
+    return args.replicas > 1 or args.ray_address is not None or autoscaled
 
 
 def replica_problem(args: argparse.Namespace) -> str | None:
@@ -33,6 +42,11 @@ def replica_problem(args: argparse.Namespace) -> str | None:
         return f"--cpus-per-replica must be a number >= 0, got {args.cpus_per_replica}"
     if args.gpus_per_replica is not None and not args.gpus_per_replica >= 0:
         return f"--gpus-per-replica must be a number >= 0, got {args.gpus_per_replica}"
+    low, high = getattr(args, "min_replicas", None), getattr(args, "max_replicas", None)
+    if low is not None and low < 0:
+        return f"--min-replicas must be a number >= 0, got {low}"
+    if high is not None and high < max(low or 0, 1):
+        return f"--max-replicas must be at least 1 and --min-replicas, got {high}"
     return None
 
 
