@@ -70,8 +70,7 @@ class ReplicaAnswerer:
 
 @contextmanager
 def replica_answerer(args: argparse.Namespace, engine_args: dict, model_name: str) -> Iterator[ReplicaAnswerer]:
-    """args.replicas engine actors on the Ray cluster of args.ray_address, ready, for the `with` block.
-    ValueError: a replica cannot load (its line), or a local cluster too small for them."""
+    """args.replicas engine actors, ready, for the block; ValueError: one cannot load, or they do not fit."""
     resources = replica_resources(args)
     with ray_cluster(args.ray_address, args.quiet) as ray:
         if args.ray_address is None:

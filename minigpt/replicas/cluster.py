@@ -20,7 +20,6 @@ def bind_loopback() -> None:
     replica.add_port_to_grpc_server = lambda server, address: add_port(server, address.replace("[::]", "127.0.0.1"))
 
 
-# ray.init's arguments for a local cluster on loopback
 LOCAL = {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
          "runtime_env": {"worker_process_setup_hook": f"{__name__}.bind_loopback"}}
 
@@ -28,7 +27,7 @@ LOCAL = {"include_dashboard": False, "_node_ip_address": "127.0.0.1",
 def prepare_local_cluster() -> None:
     """Before ray is imported: a local cluster started by this process listens on 127.0.0.1 only."""
     for name, value in LOOPBACK_ONLY.items():
-        os.environ.setdefault(name, value)  # the cluster's processes inherit it
+        os.environ.setdefault(name, value)
 
 
 @contextmanager

@@ -1,6 +1,5 @@
-"""Ray Serve's request router for engine replicas: requests that share a prompt prefix go to one replica, where
-the prefix cache holds its pages; a request without a prompt, or whose replica is far busier than the least loaded,
-goes to the least loaded."""
+"""Requests sharing a prompt prefix go to one replica (its prefix cache holds their pages); a request without a
+prompt, or whose replica is far busier than the least loaded, goes to the least loaded."""
 
 from __future__ import annotations
 

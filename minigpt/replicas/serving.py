@@ -1,6 +1,5 @@
-"""`minigpt serve --replicas N` as a Ray Serve application: engine replicas, each the whole one-process server (an
-AsyncLLM behind minigpt's FastAPI app: routes, streaming, auth, errors), behind a front deployment that forwards
-each HTTP request to the replica the prefix-affinity router picks and streams its answer back."""
+"""`minigpt serve --replicas N` on Ray Serve: engine replicas, each the one-process server's app around an AsyncLLM,
+behind a front that forwards each request to the replica the router picks and streams its answer back."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class EngineReplica:
                 message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.name)]}
             yield message
 
-    def check_health(self) -> None:
-        """Serve replaces a replica whose engine stopped."""
+    def check_health(self) -> None:  # Serve replaces a replica whose engine stopped
         problem = self.llm.problem()
         if problem is not None:
             raise RuntimeError(problem)
@@ -155,7 +153,6 @@ class Front:
 
 
 def deploy(args: argparse.Namespace, engine_args: dict, model_name: str, api_key: str | None) -> None:
-    """The application on the connected Ray cluster, its HTTP proxy on args.host:args.port."""
     serve.start(http_options={"host": args.host, "port": args.port})
     per_replica = engine_args["max_num_seqs"]  # requests a replica runs at once: its queue depth target
     engine = serve.deployment(EngineReplica).options(
@@ -180,8 +177,7 @@ def _scaling(args: argparse.Namespace, per_replica: int) -> dict:
 
 
 def serve_replicas(args: argparse.Namespace, engine_args: dict, model_name: str, api_key: str | None) -> None:
-    """Deploy on args.ray_address's cluster (None: a local one), serve until SIGINT or SIGTERM, then take the
-    application down (and the local cluster with it)."""
+    """Deploy on args.ray_address's cluster (None: a local one) and serve until SIGINT or SIGTERM."""
     stop = threading.Event()
     with ray_cluster(args.ray_address, quiet=False):
         for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
