@@ -40,8 +40,9 @@ REPLICAS = ["--replicas", "2", "--cpus-per-replica", "0.5"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for the module, on loopback, one CPU: room for two replicas of half a CPU."""
-    ray.init(num_cpus=1, log_to_driver=False, **LOCAL)
+    """A local Ray cluster for the module, on loopback, with room for two batch and two served replicas of half a
+    CPU each at once (the served ones stay up between tests)."""
+    ray.init(num_cpus=2, log_to_driver=False, **LOCAL)
     try:
         assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
         yield ray

@@ -5,6 +5,7 @@ written once, by the driver, when its answer arrives."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,8 +21,11 @@ from minigpt.replicas.options import replica_resources
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.serving.async_engine import AsyncLLM
 
+START_NOTICE_S = 60
 RESTARTS = 8  # per replica: past it (a line that kills every engine it meets), the job stops; a rerun resumes
 ACTOR_NAME = "minigpt-batch-replica-{}"
+
+logger = logging.getLogger("minigpt")
 
 
 class BatchReplica:
@@ -82,7 +86,11 @@ def replica_answerer(args: argparse.Namespace, engine_args: dict, model_name: st
             args.model, engine_args, model_name, args.chat_template, args.max_in_flight)
             for i in range(args.replicas)]
         try:
-            problem = next((p for p in ray.get([a.ready.remote() for a in actors]) if p is not None), None)
+            readiness = [a.ready.remote() for a in actors]
+            while (waiting := ray.wait(readiness, num_returns=len(readiness), timeout=START_NOTICE_S)[1]):
+                logger.warning("%d of %d replicas not started yet: each needs %s, the cluster has %s free",
+                               len(waiting), len(actors), resources, ray.available_resources())
+            problem = next((p for p in ray.get(readiness) if p is not None), None)
             if problem is not None:
                 raise ValueError(problem)
             yield ReplicaAnswerer(actors, ray.exceptions.RayActorError)
