@@ -8,7 +8,8 @@ Each input line is `{"custom_id": ..., "method": "POST", "url": "/v1/completions
 flight at once, up to --max-in-flight, and results are appended as they complete, in that order.
 Run it again with the same output file and it does only what is missing (after a crash, a kill or
 Ctrl-C), so the output ends with every custom_id once. `-` reads stdin / writes stdout.
-Needs the `server` extra: pip install "minigpt[server]". More in docs/batch.md.
+Needs the `server` extra: pip install "minigpt[server]". More in docs/batch.md; `--replicas N` runs the job on
+N engine replicas on a Ray cluster (the `ray` extra): docs/ray.md.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import TYPE_CHECKING, BinaryIO
 from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.progress import PREFIX, log_to_stderr
 from minigpt.model.weights import resolve_checkpoint
+from minigpt.replicas.options import MISSING_RAY, add_replica_arguments, ray_missing, replica_problem, uses_ray
 from minigpt.serve import MISSING_EXTRA, served_name
 
 if TYPE_CHECKING:
+    from minigpt.batch_jobs.answer import Answerer
     from minigpt.batch_jobs.files import ResultWriter
-    from minigpt.server.chat_template import ChatTemplate
-    from minigpt.serving.async_engine import AsyncLLM
 
 DEFAULT_MAX_IN_FLIGHT = 1024
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -57,6 +58,7 @@ def build_parser(prog: str = "python -m minigpt.batch") -> argparse.ArgumentPars
                         help="write the summary (requests, failures, tokens, wall time) as JSON to FILE")
     parser.add_argument("--quiet", action="store_true", help="no engine report, progress or summary on stderr")
     add_engine_arguments(parser)
+    add_replica_arguments(parser)
     return parser
 
 
@@ -68,10 +70,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         parser.error(f"--max-in-flight must be a positive number, got {args.max_in_flight}")
     if args.input != "-" and args.output != "-" and _same_file(args.input, args.output):
         parser.error(f"-i and -o are the same file: {args.input}")
+    if (problem := replica_problem(args)) is not None:
+        parser.error(problem)
+    if ray_missing(args):
+        print(f"{name}: error: {MISSING_RAY}", file=sys.stderr)
+        return 2
     try:
         import jinja2  # noqa: F401  (the server extra)
 
         from minigpt.batch_jobs import files
+        from minigpt.batch_jobs.answer import Answerer
+        from minigpt.batch_jobs.window import Window
         from minigpt.server.chat_template import ChatTemplate
     except ImportError as err:
         print(f"{name}: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
@@ -82,6 +91,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
 
     engine_args = engine_args_from(args)
     engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight)  # the window never overflows
+    model_name = args.served_model_name or served_name(args.model)
     writer = None
     with ExitStack() as resources:
         try:
@@ -89,11 +99,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
             resources.callback(writer.close)
             done = files.resume_output(args.output) if args.output != "-" else set()
             total = files.scan_input(args.input, done) if args.input != "-" else None
-            template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
             stream = files.open_input(args.input)
             if stream is not sys.stdin.buffer:
                 resources.callback(stream.close)
-            llm = resources.enter_context(AsyncLLM(args.model, **engine_args))
+            if uses_ray(args):
+                from minigpt.replicas.batch import replica_answerer
+
+                answerer = resources.enter_context(replica_answerer(args, engine_args, model_name))
+            else:
+                template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
+                llm = resources.enter_context(AsyncLLM(args.model, **engine_args))
+                answerer = Answerer(llm, model_name, template, Window(args.max_in_flight))
         except (*USER_ERRORS, KeyboardInterrupt) as err:
             if writer is not None:
                 writer.abandon()
@@ -101,15 +117,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
                 return 130
             print(f"{name}: error: {flag_error_line(err)}", file=sys.stderr)
             return 2
-        return _run(args, name, llm, template, stream, writer, done, total)
+        return _run(args, name, answerer, stream, writer, done, total)
 
 
-def _run(args: argparse.Namespace, name: str, llm: AsyncLLM, template: ChatTemplate | None, stream: BinaryIO,
-         writer: ResultWriter, done: set[int], total: int | None) -> int:
-    from minigpt.batch_jobs.answer import Answerer
+def _run(args: argparse.Namespace, name: str, answerer: Answerer, stream: BinaryIO, writer: ResultWriter,
+         done: set[int], total: int | None) -> int:
     from minigpt.batch_jobs.files import numbered_lines
     from minigpt.batch_jobs.job import EngineStopped, RepeatedCustomId, Summary, run_job
-    from minigpt.batch_jobs.window import Window
     from minigpt.common.progress import Progress
 
     summary = Summary()
@@ -117,8 +131,6 @@ def _run(args: argparse.Namespace, name: str, llm: AsyncLLM, template: ChatTempl
     code, error = 0, None
     try:
         async def job() -> None:
-            answerer = Answerer(llm, args.served_model_name or served_name(args.model), template,
-                                Window(args.max_in_flight))
             await _until_stopped(run_job(answerer, numbered_lines(stream), done, writer, progress, summary,
                                          args.max_in_flight, args.input if args.input != "-" else "stdin",
                                          check_repeats=total is None), summary)

@@ -6,6 +6,8 @@ Loads the model, then serves POST /v1/completions, POST /v1/chat/completions, GE
 tokenizer endpoints, /health and /metrics on 127.0.0.1 (pass --host 0.0.0.0 to listen on every
 interface). Needs the `server` extra.
 
+With --replicas N (the `ray` extra) it runs N engine replicas as a Ray Serve application: docs/ray.md.
+
 On SIGTERM (or Ctrl-C) it stops accepting connections, lets the requests in flight finish for up to
 --shutdown-timeout seconds, cancels those still running (their KV pages freed) and exits 0.
 """
@@ -21,6 +23,14 @@ from pathlib import Path
 from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.progress import log_to_stderr
 from minigpt.model.weights import resolve_checkpoint
+from minigpt.replicas.options import (
+    MISSING_RAY,
+    add_autoscaling_arguments,
+    add_replica_arguments,
+    ray_missing,
+    replica_problem,
+    uses_ray,
+)
 from minigpt.server.limits import DEFAULT_LIMIT_CONCURRENCY, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 
 PROG = "python -m minigpt.serve"  # the console command passes its own: "minigpt serve"
@@ -54,6 +64,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                       help="on SIGTERM, how long requests in flight may run before they are cancelled (%(default)s)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(parser)
+    add_replica_arguments(parser)
+    add_autoscaling_arguments(parser)
     return parser
 
 
@@ -103,6 +115,11 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         parser.error(f"--limit-concurrency must be a positive number, got {args.limit_concurrency}")
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+    if (problem := replica_problem(args)) is not None:
+        parser.error(problem)
+    if ray_missing(args):
+        print(parser.error_line(MISSING_RAY), file=sys.stderr)
+        return 2
     try:
         api_key, where = api_key_from(args)
     except ValueError as err:
@@ -126,20 +143,30 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     from minigpt.serving.async_engine import AsyncLLM
 
     try:
-        check_can_listen(args.host, args.port)
+        if args.ray_address is None:  # elsewhere, the cluster's head binds it
+            check_can_listen(args.host, args.port)
     except OSError as err:
         print(parser.error_line(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}"), file=sys.stderr)
         return 2
     log_to_stderr(args.log_level.upper())
+    model_name = args.served_model_name or served_name(args.model)
     try:
         template = ChatTemplate.for_checkpoint(resolve_checkpoint(args.model), args.chat_template)
+        if uses_ray(args):
+            from minigpt.replicas.cluster import prepare_local_cluster
+
+            if args.ray_address is None:
+                prepare_local_cluster()  # before ray.serve's import below
+            from minigpt.replicas.serving import serve_replicas
+
+            serve_replicas(args, engine_args_from(args), model_name, api_key)
+            return 0
         llm = AsyncLLM(args.model, **engine_args_from(args))
     except USER_ERRORS as err:
         print(parser.error_line(flag_error_line(err)), file=sys.stderr)
         return 2
     try:
-        app = build_app(llm, args.served_model_name or served_name(args.model), api_key, args.max_body_bytes, template,
-                        args.read_timeout)
+        app = build_app(llm, model_name, api_key, args.max_body_bytes, template, args.read_timeout)
         serve(app, llm, args.host, args.port, args.log_level, args.shutdown_timeout, args.read_timeout,
               args.limit_concurrency)
     finally:

@@ -17,7 +17,7 @@ LAYERS = [
     ("features", ["minigpt.beam", "minigpt.speculative", "minigpt.structured", "minigpt.tensor_parallel",
                   "minigpt.compile", "minigpt.quant"]),
     ("assembly", ["minigpt.assemble"]),
-    ("serving", ["minigpt.serving", "minigpt.server", "minigpt.batch_jobs"]),
+    ("serving", ["minigpt.serving", "minigpt.server", "minigpt.batch_jobs", "minigpt.replicas"]),
     ("front", ["minigpt", "minigpt.llm", "minigpt.generate", "minigpt.serve", "minigpt.batch", "minigpt.precompile",
                "minigpt.cli"]),
 ]
