@@ -136,7 +136,7 @@ def probe(device: str, path: Path) -> None:
     from minigpt.common.torch_support import check_torch_for
 
     try:
-        check_torch_for("compile=True")
+        check_torch_for("compile", True)
         info["compile"] = "allowed on this torch"
     except RuntimeError as err:
         info["compile"] = f"refused: {err}"

@@ -28,7 +28,7 @@ def test_release_of_a_version(version, want):
 @pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.1"])
 def test_tested_releases_pass(version):
     with mock.patch.object(torch, "__version__", version):
-        check_torch_for("compile=True")
+        check_torch_for("compile", True)
 
 
 @pytest.mark.parametrize("version", ["2.4.0", "2.12.1+cu126", "2.15.0", "3.0.0"])

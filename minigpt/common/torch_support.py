@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from minigpt.common.errors import Named, ParamError
+
 # pyproject.toml declares the same span
 FIRST_TESTED, LAST_TESTED = (2, 13), (2, 14)
 
@@ -19,10 +21,13 @@ def pip_requirement() -> str:
     return f"torch>={FIRST_TESTED[0]}.{FIRST_TESTED[1]},<{LAST_TESTED[0]}.{LAST_TESTED[1] + 1}"
 
 
-def check_torch_for(feature: str) -> None:
+class UnsupportedTorch(ParamError, RuntimeError):
+    """A setting refused on a torch release it has not run on."""
+
+
+def check_torch_for(field: str, value: object) -> None:
+    """Refuse the setting `field=value` unless this torch is a tested release."""
     version = str(torch.__version__)
     if not FIRST_TESTED <= release(version) <= LAST_TESTED:
-        raise RuntimeError(
-            f"{feature} needs {pip_requirement()} (it relies on torch internals that change between releases); "
-            f"this is torch {version}"
-        )
+        raise UnsupportedTorch("", field, (Named(field, value), f" needs {pip_requirement()} (it relies on torch "
+                                           f"internals that change between releases); this is torch {version}"))

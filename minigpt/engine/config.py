@@ -90,9 +90,9 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative_config)
         self._check_combinations()
         if self.compile:
-            check_torch_for("compile=True")
+            check_torch_for("compile", True)
         if self.quantize is not None:
-            check_torch_for(f"quantize={self.quantize!r}")
+            check_torch_for("quantize", self.quantize)
 
     def _check_combinations(self) -> None:
         compile, invariant = Named("compile", True), Named("batch_invariant", True)
