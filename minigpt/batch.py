@@ -25,7 +25,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import PREFIX, log_to_stderr
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.options import MISSING_RAY, add_replica_arguments, ray_missing, replica_problem, uses_ray

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import Field, fields
 from typing import NoReturn
 
-from minigpt.common.errors import Named, ParamError
+from minigpt.common.errors import Named, ParamError, error_line
 from minigpt.common.version import __version__
-from minigpt.engine.config import EngineConfig, error_line
+from minigpt.engine.config import EngineConfig
 
 # name: (module whose main(argv, prog) runs it, its line in `minigpt --help`)
 COMMANDS = {
@@ -23,9 +23,6 @@ COMMANDS = {
     "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
 }
 # what a command reports in one line with exit code 2: bad arguments or checkpoint, no memory, a failed compile
-USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
-
-
 class OneLineParser(argparse.ArgumentParser):
     def error_line(self, message: str) -> str:
         return f"{self.prog.removeprefix('python -m ')}: error: {message}"

@@ -10,8 +10,8 @@ import signal
 import sys
 
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
-from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
-from minigpt.common.errors import ParamError
+from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.errors import USER_ERRORS, ParamError
 from minigpt.common.progress import log_to_stderr
 from minigpt.engine.request import RequestOutput
 from minigpt.llm import LLM

@@ -15,7 +15,8 @@ import logging
 import sys
 import time
 
-from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import log_to_stderr
 from minigpt.llm import LLM
 

@@ -20,7 +20,8 @@ import socket
 import sys
 from pathlib import Path
 
-from minigpt.cli import USER_ERRORS, OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
+from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import log_to_stderr
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.options import (

@@ -23,7 +23,7 @@ from test_server_chat import CHATML
 
 from minigpt import AsyncLLM
 from minigpt.batch import main
-from minigpt.engine.config import engine_args_from
+from minigpt.cli import engine_args_from
 from minigpt.replicas.batch import ACTOR_NAME
 from minigpt.replicas.cluster import LOCAL, LOOPBACK_ONLY
 from minigpt.serve import build_parser as serve_parser

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)  # what a front end reports in one line
+
 
 class Named(NamedTuple):
     """A field named in a problem's text; with a `value`, the setting `field=value`."""
@@ -49,3 +51,8 @@ class ParamError(ValueError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.owner, self.field, self.problem)
+
+
+def error_line(err: BaseException) -> str:
+    """The first line of an error's message (its type when it has none)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
+from minigpt.common.errors import error_line
 from minigpt.compile.cache import ProgramCache, ProgramSpec, build_environment
 from minigpt.compile.torch_compat import missing_internals
-from minigpt.engine.config import error_line
 from minigpt.engine.kv_cache import KVPool
 from minigpt.model.attention import Attention, PoolAttention, attention_inputs, attention_outputs, paged_decode
 from minigpt.model.backends import store_kv

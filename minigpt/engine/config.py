@@ -129,8 +129,3 @@ class EngineConfig:
 def _check_positive(name: str, value: object, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ParamError.must_be("", name, value, f"a positive integer{alternative}")
-
-
-def error_line(err: BaseException) -> str:
-    """The first line of an error's message (its type when it has none)."""
-    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -14,7 +14,7 @@ from pathlib import Path
 from minigpt.batch_jobs.answer import Answer, Answerer
 from minigpt.batch_jobs.job import EngineStopped
 from minigpt.batch_jobs.window import Window
-from minigpt.engine.config import USER_ERRORS, error_line, flag_error_line
+from minigpt.common.errors import USER_ERRORS, error_line
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.cluster import ray_cluster
 from minigpt.replicas.options import replica_resources
@@ -34,16 +34,16 @@ class BatchReplica:
 
     def __init__(self, model: str, engine_args: dict, model_name: str, chat_template: Path | None,
                  max_in_flight: int) -> None:
-        self.problem: str | None = None
+        self.problem: Exception | None = None
         try:
             template = ChatTemplate.for_checkpoint(resolve_checkpoint(model), chat_template)
             self.llm = AsyncLLM(model, **engine_args)
         except USER_ERRORS as err:
-            self.problem = flag_error_line(err)
+            self.problem = err  # the front names its fields by their flags
             return
         self.answerer = Answerer(self.llm, model_name, template, Window(max_in_flight))
 
-    def ready(self) -> str | None:
+    def ready(self) -> Exception | None:
         return self.problem
 
     def pid(self) -> int:
@@ -92,7 +92,7 @@ def replica_answerer(args: argparse.Namespace, engine_args: dict, model_name: st
                                len(waiting), len(actors), resources, ray.available_resources())
             problem = next((p for p in ray.get(readiness) if p is not None), None)
             if problem is not None:
-                raise ValueError(problem)
+                raise problem
             yield ReplicaAnswerer(actors, ray.exceptions.RayActorError)
         finally:
             for a in actors:
