@@ -18,7 +18,7 @@ python3 -m venv "$work/venv"
 # shellcheck disable=SC1091
 source "$work/venv/bin/activate"
 pip install --quiet "$(grep -m1 -o 'torch==[0-9.]*' README.md)"  # the README's torch first: never PyPI's CUDA build
-pip install --quiet "$wheel[vocab,triton,server,structured,eval,plots]" -c requirements-dev.lock
+pip install --quiet "$wheel[vocab,triton,server,structured,eval,plots,ray]" -c requirements-dev.lock
 
 cd "$work"  # nothing of the source tree is importable from here
 # shellcheck disable=SC2086  # one argument a module
