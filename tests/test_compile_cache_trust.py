@@ -63,10 +63,23 @@ def test_the_folder_is_made_private_and_the_key_readable_by_its_user_alone(tmp_p
     assert len(user_key()) == 32 and user_key() == key.read_bytes()
 
 
-@pytest.mark.parametrize("damage", ["readable by others", "writable by group", "short", "a link"])
-def test_a_key_others_could_read_or_write_is_refused(damage):
-    user_key()
+@pytest.fixture
+def damaged_key():
+    """The user's key, for a test to damage: put back as it was after, so the entries signed with it (the
+    session's) stay valid whatever runs next."""
+    original = user_key()
+    yield key_file()
     key = key_file()
+    for path in (key, key.with_name("elsewhere")):
+        if path.is_symlink() or path.exists():
+            path.unlink()
+    key.write_bytes(original)
+    key.chmod(0o600)
+
+
+@pytest.mark.parametrize("damage", ["readable by others", "writable by group", "short", "a link"])
+def test_a_key_others_could_read_or_write_is_refused(damage, damaged_key):
+    key = damaged_key
     if damage == "readable by others":
         key.chmod(0o644)
     elif damage == "writable by group":
@@ -76,11 +89,8 @@ def test_a_key_others_could_read_or_write_is_refused(damage):
     else:
         key.rename(key.with_name("elsewhere"))
         key.symlink_to(key.with_name("elsewhere"))
-    try:
-        with pytest.raises(Untrusted):
-            user_key()
-    finally:
-        key.unlink()  # the next use makes a new one
+    with pytest.raises(Untrusted):
+        user_key()
 
 
 def _left_alone(root: Path, caplog, reason: str) -> None:
@@ -116,13 +126,9 @@ def test_a_folder_of_another_user_is_left_alone(tmp_path, caplog):
     _left_alone(root, caplog, f"{root} is owned by uid {NOBODY}, not by this user")
 
 
-def test_a_key_that_cannot_be_trusted_leaves_the_cache_alone(tmp_path, caplog):
-    user_key()
-    key_file().chmod(0o640)
-    try:
-        _left_alone(tmp_path, caplog, f"the cache key {key_file()} is readable by others (mode 640)")
-    finally:
-        key_file().unlink()
+def test_a_key_that_cannot_be_trusted_leaves_the_cache_alone(tmp_path, caplog, damaged_key):
+    damaged_key.chmod(0o640)
+    _left_alone(tmp_path, caplog, f"the cache key {damaged_key} is readable by others (mode 640)")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another user: root only")
