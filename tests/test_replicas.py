@@ -32,6 +32,7 @@ from minigpt.server.chat_template import ChatTemplate
 
 os.environ.update(LOOPBACK_ONLY)  # before ray is imported: it reads them then
 ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")]  # Ray Serve's models
 
@@ -189,7 +190,22 @@ def replica_of(url: str, prompt: str) -> str:
     return answer.headers["x-minigpt-replica"]
 
 
+def running_engine_replicas() -> int:
+    return sum(deployment.replica_states.get("RUNNING", 0) for app in serve.status().applications.values()
+               for name, deployment in app.deployments.items() if "minigpt-engine" in name)
+
+
+def wait_for_two_running() -> None:
+    """Both engine replicas routable (a replaced one starts after its actor exists): a bounded poll."""
+    for _ in range(1200):
+        if running_engine_replicas() == 2:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"{running_engine_replicas()} engine replicas running, not 2")
+
+
 def test_requests_sharing_a_prefix_land_on_one_replica(served):
+    wait_for_two_running()
     assert len({replica_of(served, f"{SHARED} Question {i}?") for i in range(8)}) == 1
     assert len({replica_of(served, f"{i} is where this prompt starts") for i in range(16)}) == 2
 
@@ -221,4 +237,5 @@ def test_a_replica_killed_under_load_is_replaced_and_every_request_answered(serv
             break
         time.sleep(0.1)
     assert len(now) == 2 and before[0] not in now, now
+    wait_for_two_running()
     assert replica_of(served, "after the kill")
