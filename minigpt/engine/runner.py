@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from minigpt.common.transfer import to_device
+from minigpt.engine.config import EngineConfig
 from minigpt.engine.kv_cache import KVPool, bytes_per_token
 from minigpt.engine.sequence import Sequence
 from minigpt.model.attention import EAGER_HALVES, InvariantAttention, PagedAttention, PrefillSegment, StepMetadata
@@ -16,9 +17,6 @@ from minigpt.model.backends import select_backend
 from minigpt.model.config import GPT2Config
 from minigpt.model.gpt2 import GPT2
 from minigpt.model.weights import resolve_device, resolve_dtype
-
-if TYPE_CHECKING:
-    from minigpt.engine.config import EngineConfig
 
 logger = logging.getLogger("minigpt")
 MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask holds the square of this
