@@ -158,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--docs", type=int, default=1000)
     parser.add_argument("--doc-tokens", default="256,1024", help="MIN,MAX tokens of a scored document")
-    parser.add_argument("--rss-lines", default="10000,100000", help="lines of the request files memory is measured on")
+    parser.add_argument("--rss-lines", default="10000,100000",
+                        help="lines of the request files memory is measured on ('' for none)")
     parser.add_argument("--rss-model", default=None, help="the checkpoint memory is measured with (default: --model)")
     parser.add_argument("--concurrency", type=int, default=256, help="the client's requests in flight to serve")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--ways", default="batch,serve,transformers")
+    parser.add_argument("--workloads", default="generate,score")
     parser.add_argument("--engine-flags", default="", help="more flags for minigpt batch and serve, as one string")
     args = parser.parse_args(argv)
     ways = args.ways.split(",")
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, (prompts, max_tokens) in workloads.items():
+        for name in args.workloads.split(","):
+            prompts, max_tokens = workloads[name]
             bodies = generate_bodies(prompts, max_tokens) if max_tokens else score_bodies(prompts)
             for way in ways:
                 log(f"{name}: {way} ({len(prompts)} requests)")
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                              tokens / result["wall_time_s"]))
                 log(f"  {rows[-1][-1]:,.0f} tok/s")
         memory = []
-        for lines in (int(n) for n in args.rss_lines.split(",")):
+        for lines in (int(n) for n in args.rss_lines.split(",") if n):
             log(f"peak memory: {lines} lines")
             prompts = W.seed000(encode, n_prompts=min(lines, 1000), max_new_tokens=1).prompt_token_ids
             bodies = generate_bodies([prompts[i % len(prompts)] for i in range(lines)], 1)
