@@ -40,6 +40,7 @@ import peers as P  # noqa: E402 - scripts/ is not a package
 import workloads as W  # noqa: E402
 
 from minigpt import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from minigpt.common import cpu_class  # noqa: E402
 from minigpt.quant.quantize import QUANTIZATIONS  # noqa: E402
 
 
@@ -184,7 +185,7 @@ class Bench:
             self.bandwidth = P.memory_bandwidth_gbs()["read_sum_gbs"]
         else:
             self.bandwidth = P.device_bandwidth_gbs(args.device)["read_sum_gbs"]
-        log(f"{args.device} memory bandwidth (read): {self.bandwidth:.1f} GB/s")
+        log(f"{args.device} memory bandwidth (read): {self.bandwidth:.1f} GB/s; CPU class {cpu_class.describe()}")
 
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
@@ -310,7 +311,7 @@ class Bench:
     def report(self) -> None:
         out = Path(self.args.out)
         print(f"Checkpoint {self.ckpt} | device {self.args.device} | threads {P.THREADS} | memory read bandwidth "
-              f"{self.bandwidth:.1f} GB/s\n")
+              f"{self.bandwidth:.1f} GB/s | CPU class {cpu_class.describe()}\n")
         if rows := self.results.get("start"):
             print("### Start and memory: a fresh process to ready, then 8 tokens\n")
             print(table(["engine", "first start s", "start s", "peak MB"],
@@ -344,7 +345,8 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         path = out / "bench.json"
         path.write_text(json.dumps({"checkpoint": str(self.ckpt), "device": self.args.device, "threads": P.THREADS,
-                                    "bandwidth_gbs": self.bandwidth, **self.results}, indent=2))
+                                    "bandwidth_gbs": self.bandwidth,
+                                    "cpu_class": cpu_class.describe(), **self.results}, indent=2))
         return path
 
     @staticmethod
@@ -395,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=2,
                         help="fresh-process starts per engine and mode, for start time and peak memory (0: none)")
     parser.add_argument("--out", default="results", help="folder for the JSON results and the plot")
+    parser.add_argument("--cpu-class", default="native", choices=P.CPU_CLASSES,
+                        help="run torch, oneDNN, fbgemm and CTranslate2 at a lower x86 class than this CPU's")
     parser.add_argument("--no-wait", dest="wait_quiet", action="store_false",
                         help="measure at once instead of waiting for other processes to settle")
     args = parser.parse_args(argv)
@@ -403,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workloads: no workload {', '.join(map(repr, unknown))}; known: {', '.join(WORKLOADS)}")
     if not (Path(args.model) / "config.json").exists():
         parser.error(f"{args.model} is not a checkpoint directory (python scripts/make_checkpoint.py DIR writes one)")
+    P.run_at_cpu_class(args.cpu_class)
     Bench(args).run()
     return 0
 

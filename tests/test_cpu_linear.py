@@ -96,7 +96,7 @@ AVX512_VNNI = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx5
     ],
 )
 def test_native_bf16_needs_bf16_arithmetic_not_just_onednn(monkeypatch, onednn_bf16, flags, native):
-    monkeypatch.setattr(cpu_linear, "x86_flags", lambda: flags)
+    monkeypatch.setattr(cpu_linear, "usable_flags", lambda: flags)
     native_bf16.cache_clear()
     try:
         with mock.patch.object(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16):
@@ -104,12 +104,6 @@ def test_native_bf16_needs_bf16_arithmetic_not_just_onednn(monkeypatch, onednn_b
             assert cpu_linear_for(torch.bfloat16, CPU) is (PackedLinear if native else HalfWeightLinear)
     finally:
         native_bf16.cache_clear()
-
-
-def test_x86_flags_reads_this_cpu():
-    flags = cpu_linear.x86_flags()
-    if flags is not None:
-        assert "sse2" in flags  # every x86-64 CPU has it
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

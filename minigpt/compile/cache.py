@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from minigpt.common.cpu_class import x86_flags
 from minigpt.common.errors import error_line
 from minigpt.common.progress import announce
 from minigpt.compile.build import ProgramSpec, build_steps, build_workers, unwound_by_signals
 from minigpt.compile.trust import Untrusted, check_private, private_folder, sign, signed_by, user_key
-from minigpt.model.linears import x86_flags
 
 logger = logging.getLogger("minigpt")
 

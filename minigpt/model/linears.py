@@ -4,13 +4,14 @@ own, opaque to export (a packed weight found by its handle's address), so such a
 from __future__ import annotations
 
 import functools
-import platform
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from minigpt.common.cpu_class import usable_flags
 
 SMALL_BATCH = 8  # rows up to which the half kernel beats upcasting to fp32
 TILE_ROWS = 16  # rows in every product of a `RowTiles` linear
@@ -100,24 +101,12 @@ def tile_rows(model: nn.Module) -> nn.Module:
     return model
 
 
-def x86_flags() -> frozenset[str] | None:
-    """This x86 CPU's /proc/cpuinfo flags; None on other CPUs or where unreadable."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return None
-    return frozenset(line.partition(":")[2].split())
-
-
 @functools.cache
 def native_bf16() -> bool:
     """oneDNN runs bf16 and the CPU multiplies it natively (avx512_bf16 or AMX, not just AVX-512)."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    flags = x86_flags()
+    flags = usable_flags()
     return flags is None or not flags.isdisjoint({"avx512_bf16", "amx_bf16"})
 
 

@@ -30,7 +30,16 @@ from .checkpoints import checkpoint_cache_dir, gpt2_decode_bytes, peers_dir
 from .ctranslate2 import CTranslate2Peer
 from .hf import HFPeer
 from .llama_cpp import LlamaCppPeer
-from .machine import THREADS, OtherLoad, cpu_busy, device_bandwidth_gbs, memory_bandwidth_gbs, wait_until_quiet
+from .machine import (
+    CPU_CLASSES,
+    THREADS,
+    OtherLoad,
+    cpu_busy,
+    device_bandwidth_gbs,
+    memory_bandwidth_gbs,
+    run_at_cpu_class,
+    wait_until_quiet,
+)
 from .results import (
     BatchResult,
     RequestTiming,
@@ -42,10 +51,10 @@ from .results import (
 )
 
 __all__ = [
-    "THREADS", "BatchResult", "CTranslate2Peer", "HFPeer", "LlamaCppPeer", "OtherLoad", "Peer", "RequestTiming",
-    "ServingResult", "StreamResult", "all_peers", "checkpoint_cache_dir", "chunks", "cpu_busy", "device_bandwidth_gbs",
-    "gpt2_decode_bytes",
-    "median_batch", "median_stream", "memory_bandwidth_gbs", "peers_dir", "repeat", "wait_until_quiet",
+    "CPU_CLASSES", "THREADS", "BatchResult", "CTranslate2Peer", "HFPeer", "LlamaCppPeer", "OtherLoad", "Peer",
+    "RequestTiming", "ServingResult", "StreamResult", "all_peers", "checkpoint_cache_dir", "chunks", "cpu_busy",
+    "device_bandwidth_gbs", "gpt2_decode_bytes", "median_batch", "median_stream", "memory_bandwidth_gbs",
+    "peers_dir", "repeat", "run_at_cpu_class", "wait_until_quiet",
 ]
 
 

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 THREADS = int(os.environ.get("MINIGPT_BENCH_THREADS", os.cpu_count() or 1))
+CPU_CLASSES = ("native", "avx2", "avx2_vnni")
+
+
+def run_at_cpu_class(name: str) -> None:
+    """Re-run this command with the variables that hold torch, oneDNN, fbgemm and CTranslate2 to `name` (on
+    an AVX-512 machine, the AVX2 paths measured); llama.cpp runs the instructions its build was made for."""
+    from minigpt.common.cpu_class import FORCE
+
+    wanted = {**FORCE[name], "CT2_FORCE_CPU_ISA": "AVX2"} if name != "native" else {}
+    if any(os.environ.get(key) != value for key, value in wanted.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
 
 
 def memory_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 7) -> dict[str, float]:
