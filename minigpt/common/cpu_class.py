@@ -1,10 +1,11 @@
 """The x86 CPU class kernels are picked for: torch's capability and the CPU's flags, lowered where a run is forced
 to a lower class, so a developer on an AVX-512 machine runs (and measures) the AVX2 paths too.
 
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 minigpt generate ...
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+        minigpt generate ...
 
-`FORCE` names those variables for each class; they are read when each library first runs a kernel, so they are
-set before the process starts (the benches' `--cpu-class` does that)."""
+`FORCE` names those variables (torch's kernels, oneDNN, fbgemm, MKL) for each class; each library reads them when
+it first runs a kernel, so they are set before the process starts (the benches' `--cpu-class` does that)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,8 @@ import platform
 
 import torch
 
-FORCE = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx2_vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI",
-                  "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
-}
+_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+FORCE = {"avx2": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2"}, "avx2_vnni": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}}
 _SHOWN = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")  # what describe lists
 
 
