@@ -13,7 +13,6 @@ import torch
 
 from minigpt.common import cpu_class
 from minigpt.quant import fbgemm_int8
-from minigpt.quant.quantize import one_row_products
 
 CLASSES = {"native": None, "avx2": "avx2", "avx2_vnni": "avx_vnni"}  # class -> the flag it needs
 
@@ -68,20 +67,19 @@ def test_the_native_class_is_said_plainly():
 
 
 @pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
-@pytest.mark.parametrize("in_features", [768, 3072])
-def test_one_row_products_give_fbgemm_s_bits(in_features):
-    """A compiled one-row program on AVX2 reduces where a batch goes through fbgemm: the same fp32 bits, also
-    past 2**24 (7-bit activations at 63 against weights at 127 over 3,072 inputs), so a row alone and in a
-    batch agree."""
-    generator = torch.Generator().manual_seed(in_features)
-    weight = torch.randint(-127, 128, (64, in_features), dtype=torch.int8, generator=generator)
+def test_onednn_rows_give_fbgemm_s_bits(monkeypatch):
+    """With AVX-VNNI, ONEDNN_ROWS rows and more go to oneDNN: the integers fbgemm gives, as the same fp32."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (96, 3072), dtype=torch.int8, generator=generator)
     weight[0] = 127
-    rows = torch.randint(-63, 64, (3, in_features), generator=generator).float()
+    rows = torch.randint(-63, 64, (fbgemm_int8.ONEDNN_ROWS + 3, 3072), generator=generator).float()
     rows[0] = 63
     fbgemm_int8.pack(weight)
-    batched = fbgemm_int8.int8_mm(rows, weight)
-    for i in range(3):
-        assert torch.equal(one_row_products(rows[i : i + 1], weight), batched[i : i + 1])
+    monkeypatch.setattr(fbgemm_int8, "avx_vnni", lambda: False)
+    want = fbgemm_int8.int8_mm(rows, weight)
+    monkeypatch.setattr(fbgemm_int8, "avx_vnni", lambda: True)
+    assert torch.equal(fbgemm_int8.int8_mm(rows, weight), want)
+    assert torch.equal(fbgemm_int8.int8_mm(rows[:5], weight), want[:5])
 
 
 ENGINE = """
@@ -107,8 +105,8 @@ def test_w8a8_is_batch_invariant_at_every_class(tiny_checkpoint, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["avx2", "avx2_vnni"])
-def test_compiled_w8a8_alone_runs_the_batch_s_products_at_avx2(tiny_checkpoint, name):
-    """The fast mode's products forced to AVX2: one sequence runs the compiled one-row reduction, a batch
-    fbgemm; the same tokens either way (its attention and fused steps may move the last bits)."""
+def test_compiled_w8a8_at_avx2_gives_a_batch_s_tokens_alone(tiny_checkpoint, name):
+    """The fast mode forced to AVX2: its compiled programs (of one sequence and of a batch) run fbgemm's
+    products (oneDNN's for many rows with AVX-VNNI); the same tokens either way."""
     got = run_forced(name, ENGINE, str(tiny_checkpoint), "compile")
     assert [tokens for tokens, _ in got["alone"]] == [tokens for tokens, _ in got["batched"]]

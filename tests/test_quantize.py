@@ -49,11 +49,16 @@ def test_one_row_products_are_the_exact_integer_products(in_features):
     assert int(one_row_products(rows[0], weight)[0, 0]) == 127 * 127 * in_features  # even: fp32 holds it
 
 
-def test_one_row_products_only_up_to_their_width():
+def test_one_row_products_only_up_to_their_width(monkeypatch):
     """A compiled program of one row reduces weights of up to ONE_ROW_MAX_INPUTS inputs (faster there),
-    and multiplies wider ones with torch._int_mm (faster for gpt2-xl's 6400)."""
+    and multiplies wider ones with torch._int_mm (faster for gpt2-xl's 6400); where fbgemm runs (AVX2), it
+    multiplies every row."""
+    monkeypatch.setattr(fbgemm_int8, "available", lambda device: False)
     assert W8A8Linear(torch.nn.Linear(ONE_ROW_MAX_INPUTS, 8)).reduce_one_row
     assert not W8A8Linear(torch.nn.Linear(6400, 8)).reduce_one_row
+    monkeypatch.setattr(fbgemm_int8, "available", lambda device: True)
+    monkeypatch.setattr(fbgemm_int8, "pack", lambda weight: None)
+    assert not W8A8Linear(torch.nn.Linear(ONE_ROW_MAX_INPUTS, 8)).reduce_one_row
 
 
 def test_round_to_int8_rounds_each_row_whatever_the_chunks():

@@ -1,15 +1,20 @@
-"""int8 x int8 products through fbgemm on x86 CPUs without AVX-512 (where `torch._int_mm` runs a naive loop).
-AVX2's `vpmaddubsw` saturates 16-bit pair sums: 7-bit activations (offset by 64 into [1, 127]) keep the products
-exact. The packed weight is a torchbind object compile cannot trace, so the product is an op of our own."""
+"""int8 x int8 products on x86 CPUs without AVX-512 (where `torch._int_mm` runs a naive loop): fbgemm, and where
+the CPU has AVX-VNNI, oneDNN's product for `ONEDNN_ROWS` rows and more (faster there, the same integers).
+AVX2's `vpmaddubsw` saturates 16-bit pair sums: 7-bit activations (offset by 64 into [1, 127]) keep fbgemm's
+products exact. The packed weight is a torchbind object compile cannot trace, so the product is an op of our own."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
 import torch
 
+from minigpt.common.cpu_class import usable_flags
+
 ACTIVATION_LEVELS = 63  # activations are rounded to integers in [-63, 63]
+ONEDNN_ROWS = 32  # rows from which oneDNN's AVX-VNNI product beats fbgemm's
 _ZERO_POINT = 64
 _OPS = ("linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")  # the quantized ops used here
 _PACKED: dict[int, torch.ScriptObject] = {}  # data_ptr of an int8 weight -> its fbgemm packing
@@ -35,7 +40,14 @@ def pack(weight: torch.Tensor) -> None:
     weakref.finalize(weight, _PACKED.pop, weight.data_ptr(), None)
 
 
+@functools.cache
+def avx_vnni() -> bool:
+    return "avx_vnni" in (usable_flags() or ())
+
+
 def _int8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] >= ONEDNN_ROWS and avx_vnni():
+        return torch._int_mm(x.to(torch.int8), weight.t()).float()
     packed = _PACKED.get(weight.data_ptr())
     if packed is None:
         raise RuntimeError("this int8 weight was not packed for fbgemm (fbgemm_int8.pack)")

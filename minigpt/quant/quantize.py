@@ -50,7 +50,9 @@ class W8A8Linear(Int8Linear):
         super().__init__(linear)
         self.fbgemm = fbgemm_int8.available(self.weight.device)
         self.levels = fbgemm_int8.ACTIVATION_LEVELS if self.fbgemm else 127
-        self.reduce_one_row = self.weight.device.type == "cpu" and self.in_features <= ONE_ROW_MAX_INPUTS
+        # not where fbgemm runs: inductor's AVX2 code loads int8 through a scalar copy (scripts/PERFORMANCE.md)
+        self.reduce_one_row = (self.weight.device.type == "cpu" and self.in_features <= ONE_ROW_MAX_INPUTS
+                               and not self.fbgemm)
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
 
@@ -58,10 +60,10 @@ class W8A8Linear(Int8Linear):
         flat = x.reshape(-1, self.in_features).float()
         row_scales = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.levels
         quantized = torch.round(flat / row_scales)
-        if self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
-            products = one_row_products(quantized, self.weight)  # the integers fbgemm and _int_mm give, as fp32
-        elif self.fbgemm:
+        if self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
+        elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
+            products = one_row_products(quantized, self.weight)
         else:
             # the transposed view: the column-major operand torch's int8 matmul reads fastest
             products = torch._int_mm(quantized.to(torch.int8), self.weight.t()).float()
