@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,3 +84,22 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     assert peer._engine_args("bfloat16+eager") == {**common, "dtype": "bfloat16", "compile": False, "device": "cuda",
                                                    "enforce_eager": True}
     assert "w8a8+compile+kv-float16" in peer.extra_dtypes and "w8a8+kv-float16" not in peer.extra_dtypes
+
+
+def test_bench_runs_forced_to_a_lower_cpu_class_and_says_so(checkpoint_factory, tmp_path):
+    """--cpu-class avx2 re-runs the bench with the variables that force AVX2; the tables and JSON record it."""
+    from minigpt.common.cpu_class import x86_flags
+
+    if "avx2" not in (x86_flags() or ()):
+        pytest.skip("this CPU cannot run the AVX2 class")
+    checkpoint = checkpoint_factory(n_positions=512)  # the stream's 8 + 128 tokens
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(checkpoint), "--engines", "minigpt",
+         "--dtypes", "w8a8", "--workloads", "stream", "--repeats", "1", "--starts", "0", "--no-wait",
+         "--cpu-class", "avx2", "--out", str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads((tmp_path / "bench.json").read_text())["cpu_class"]
+    assert recorded.startswith("AVX2") and "ATEN_CPU_CAPABILITY=avx2" in recorded
+    assert f"CPU class {recorded}" in result.stdout
