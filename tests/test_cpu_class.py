@@ -85,7 +85,9 @@ def test_onednn_rows_give_fbgemm_s_bits(monkeypatch):
 ENGINE = """
 import json, sys
 from minigpt import LLM, SamplingParams
-prompts = ["Hello there", "Another prompt, longer than the first one", "x", "one two three four five six"]
+prompts = ["Hello there", "Another prompt, longer than the first one", "x", "one two three four five six",
+           "seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen",
+           "twenty twenty-one twenty-two"]
 params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
 def seen(out):
     return [out.token_ids, [[e.logprob, sorted(e.top.items())] for e in out.logprobs]]
@@ -98,7 +100,8 @@ print(json.dumps({"batched": batched, "alone": alone}))
 
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_w8a8_is_batch_invariant_at_every_class(tiny_checkpoint, name):
-    """Eager w8a8 under each class: a prompt alone gives the bits it gives in a batch (tokens and logprobs)."""
+    """Eager w8a8 under each class: a prompt alone gives the bits it gives in a batch (tokens and logprobs);
+    the batched prompts fill more than ONEDNN_ROWS rows, each alone fewer (avx2_vnni: oneDNN against fbgemm)."""
     got = run_forced(name, ENGINE, str(tiny_checkpoint), "eager")
     assert got["alone"] == got["batched"]
 
