@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from minigpt import LLM, AsyncLLM, SamplingParams
@@ -146,6 +147,7 @@ def test_models_health_and_metrics(served):
     assert missing.value.code == "model_not_found" and "'org/other-model' does not exist" in missing.value.message
     card = httpx.get(f"{served.url}/v1/models/").json()["data"][0]
     assert card["id"] == MODEL and card["batch_invariant"] is False
+    assert card["cpu_class"].startswith(torch.backends.cpu.get_cpu_capability())
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
     response = httpx.get(f"{served.url}/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")

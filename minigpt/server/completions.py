@@ -8,6 +8,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
+from minigpt.common import cpu_class
 from minigpt.engine.request import RequestOutput
 from minigpt.server.errors import check_model
 from minigpt.server.protocol import CompletionRequest, EnginePlan, completion_plan
@@ -23,6 +24,8 @@ class CompletionServer:
         self.llm = llm
         self.model_name = model_name
         self.created = now()
+        # the kernels' class: a batch-invariant engine's bits hold for one class (docs/batch-invariance.md)
+        self.cpu_class = cpu_class.describe() if str(llm.engine.config.device).startswith("cpu") else None
 
     async def models(self) -> dict:
         return {"object": "list", "data": [self._card()]}
@@ -37,7 +40,7 @@ class CompletionServer:
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minigpt",
                 "max_model_len": self.llm.engine.model_config.n_positions,
-                "batch_invariant": self.llm.engine.config.batch_invariant}
+                "batch_invariant": self.llm.engine.config.batch_invariant, "cpu_class": self.cpu_class}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
