@@ -185,7 +185,8 @@ class Bench:
             self.bandwidth = P.memory_bandwidth_gbs()["read_sum_gbs"]
         else:
             self.bandwidth = P.device_bandwidth_gbs(args.device)["read_sum_gbs"]
-        log(f"{args.device} memory bandwidth (read): {self.bandwidth:.1f} GB/s; CPU class {cpu_class.describe()}")
+        self.cpu_class = cpu_class.describe()
+        log(f"{args.device} memory bandwidth (read): {self.bandwidth:.1f} GB/s; CPU class {self.cpu_class}")
 
     def engines(self) -> list[tuple[P.Peer, str]]:
         chosen = set(self.args.engines.split(",")) if self.args.engines else None
@@ -311,7 +312,7 @@ class Bench:
     def report(self) -> None:
         out = Path(self.args.out)
         print(f"Checkpoint {self.ckpt} | device {self.args.device} | threads {P.THREADS} | memory read bandwidth "
-              f"{self.bandwidth:.1f} GB/s | CPU class {cpu_class.describe()}\n")
+              f"{self.bandwidth:.1f} GB/s | CPU class {self.cpu_class}\n")
         if rows := self.results.get("start"):
             print("### Start and memory: a fresh process to ready, then 8 tokens\n")
             print(table(["engine", "first start s", "start s", "peak MB"],
@@ -346,7 +347,7 @@ class Bench:
         path = out / "bench.json"
         path.write_text(json.dumps({"checkpoint": str(self.ckpt), "device": self.args.device, "threads": P.THREADS,
                                     "bandwidth_gbs": self.bandwidth,
-                                    "cpu_class": cpu_class.describe(), **self.results}, indent=2))
+                                    "cpu_class": self.cpu_class, **self.results}, indent=2))
         return path
 
     @staticmethod
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=2,
                         help="fresh-process starts per engine and mode, for start time and peak memory (0: none)")
     parser.add_argument("--out", default="results", help="folder for the JSON results and the plot")
-    parser.add_argument("--cpu-class", default="native", choices=P.CPU_CLASSES,
+    parser.add_argument("--cpu-class", default="native", choices=("native", *cpu_class.FORCE),
                         help="run torch, oneDNN, fbgemm and CTranslate2 at a lower x86 class than this CPU's")
     parser.add_argument("--no-wait", dest="wait_quiet", action="store_false",
                         help="measure at once instead of waiting for other processes to settle")

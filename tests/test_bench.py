@@ -88,9 +88,9 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
 
 def test_bench_runs_forced_to_a_lower_cpu_class_and_says_so(checkpoint_factory, tmp_path):
     """--cpu-class avx2 re-runs the bench with the variables that force AVX2; the tables and JSON record it."""
-    from minigpt.common.cpu_class import x86_flags
+    from minigpt.common.cpu_class import NEEDS, x86_flags
 
-    if "avx2" not in (x86_flags() or ()):
+    if NEEDS["avx2"] not in (x86_flags() or ()):
         pytest.skip("this CPU cannot run the AVX2 class")
     checkpoint = checkpoint_factory(n_positions=512)  # the stream's 8 + 128 tokens
     result = subprocess.run(

@@ -14,7 +14,7 @@ import torch
 from minigpt.common import cpu_class
 from minigpt.quant import fbgemm_int8
 
-CLASSES = {"native": None, "avx2": "avx2", "avx2_vnni": "avx_vnni"}  # class -> the flag it needs
+CLASSES = {"native": None, **cpu_class.NEEDS}  # class -> the flag it needs
 
 
 def forced(name: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ it first runs a kernel, so they are set before the process starts (the benches' 
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -16,9 +17,11 @@ import torch
 
 _AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 FORCE = {"avx2": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2"}, "avx2_vnni": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}}
+NEEDS = {"avx2": "avx2", "avx2_vnni": "avx_vnni"}  # the CPU flag a class forced on it needs
 _SHOWN = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")  # what describe lists
 
 
+@functools.cache
 def x86_flags() -> frozenset[str] | None:
     """This x86 CPU's /proc/cpuinfo flags; None on other CPUs or where unreadable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -47,7 +50,8 @@ def usable_flags() -> frozenset[str] | None:
 def describe() -> str:
     """One line for a benchmark's record: the class kernels run at, what forced it, what the CPU has."""
     capability = torch.backends.cpu.get_cpu_capability()
-    forced = [f"{name}={os.environ[name]}" for name in FORCE["avx2"] if name in os.environ]
+    variables = sorted({name for names in FORCE.values() for name in names})
+    forced = [f"{name}={os.environ[name]}" for name in variables if name in os.environ]
     usable, physical = usable_flags(), x86_flags()
     line = capability + (f" ({', '.join(sorted(usable & set(_SHOWN)))})" if usable else "")
     if forced:

@@ -31,7 +31,6 @@ from .ctranslate2 import CTranslate2Peer
 from .hf import HFPeer
 from .llama_cpp import LlamaCppPeer
 from .machine import (
-    CPU_CLASSES,
     THREADS,
     OtherLoad,
     cpu_busy,
@@ -51,7 +50,7 @@ from .results import (
 )
 
 __all__ = [
-    "CPU_CLASSES", "THREADS", "BatchResult", "CTranslate2Peer", "HFPeer", "LlamaCppPeer", "OtherLoad", "Peer",
+    "THREADS", "BatchResult", "CTranslate2Peer", "HFPeer", "LlamaCppPeer", "OtherLoad", "Peer",
     "RequestTiming", "ServingResult", "StreamResult", "all_peers", "checkpoint_cache_dir", "chunks", "cpu_busy",
     "device_bandwidth_gbs", "gpt2_decode_bytes", "median_batch", "median_stream", "memory_bandwidth_gbs",
     "peers_dir", "repeat", "run_at_cpu_class", "wait_until_quiet",

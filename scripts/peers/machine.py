@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 THREADS = int(os.environ.get("MINIGPT_BENCH_THREADS", os.cpu_count() or 1))
-CPU_CLASSES = ("native", "avx2", "avx2_vnni")
 
 
 def run_at_cpu_class(name: str) -> None:
