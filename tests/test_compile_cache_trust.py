@@ -67,9 +67,8 @@ def test_the_folder_is_made_private_and_the_key_readable_by_its_user_alone(tmp_p
 def damaged_key():
     """The user's key, for a test to damage: put back as it was after, so the entries signed with it (the
     session's) stay valid whatever runs next."""
-    original = user_key()
-    yield key_file()
-    key = key_file()
+    original, key = user_key(), key_file()
+    yield key
     for path in (key, key.with_name("elsewhere")):
         if path.is_symlink() or path.exists():
             path.unlink()

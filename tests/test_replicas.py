@@ -85,14 +85,19 @@ def test_two_replicas_write_what_one_process_writes_and_resume(cluster, checkpoi
     assert_same_results(resumed, one)
 
 
+def wait_until(ready, tries: int, seconds: float) -> bool:
+    """A bounded poll: True once `ready()` holds, False after `tries` tries `seconds` apart."""
+    for _ in range(tries):
+        if ready():
+            return True
+        time.sleep(seconds)
+    return False
+
+
 def kill_a_replica_after(output: Path, at_least: int, seen: dict) -> None:
     """Once `output` holds `at_least` lines (a bounded poll), SIGKILL replica 0's process, then wait (bounded)
     for Ray to answer from its replacement; what it saw goes into `seen`."""
-    for _ in range(6000):
-        if output.exists() and output.read_bytes().count(b"\n") >= at_least:
-            break
-        time.sleep(0.02)
-    else:
+    if not wait_until(lambda: output.exists() and output.read_bytes().count(b"\n") >= at_least, 6000, 0.02):
         seen["error"] = f"{output} never held {at_least} lines"
         return
     try:
@@ -141,13 +146,14 @@ def served(cluster, checkpoint, template_file):
     deploy(args, engine_args_from(args), MODEL, KEY)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(600):
+
+        def healthy() -> bool:
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
+                return httpx.get(f"{url}/health", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+                return False
+
+        wait_until(healthy, 600, 0.1)
         yield url
     finally:
         serve.shutdown()
@@ -196,12 +202,9 @@ def running_engine_replicas() -> int:
 
 
 def wait_for_two_running() -> None:
-    """Both engine replicas routable (a replaced one starts after its actor exists): a bounded poll."""
-    for _ in range(1200):
-        if running_engine_replicas() == 2:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"{running_engine_replicas()} engine replicas running, not 2")
+    """Both engine replicas routable (a replaced one starts after its actor exists)."""
+    if not wait_until(lambda: running_engine_replicas() == 2, 1200, 0.1):
+        pytest.fail(f"{running_engine_replicas()} engine replicas running, not 2")
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica(served):
@@ -225,17 +228,16 @@ def test_a_replica_killed_under_load_is_replaced_and_every_request_answered(serv
 
     with ThreadPoolExecutor(4) as pool:
         asked = [pool.submit(ask, i) for i in range(40)]
-        for _ in range(6000):
-            if sum(f.done() for f in asked) >= 4:
-                break
-            time.sleep(0.01)
+        wait_until(lambda: sum(f.done() for f in asked) >= 4, 6000, 0.01)
         ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
         assert [f.result(timeout=300) for f in asked] == ["length"] * 40
-    for _ in range(1200):
+
+    def replaced() -> bool:
         now = engine_replicas()
-        if len(now) == 2 and before[0] not in now:
-            break
-        time.sleep(0.1)
+        return len(now) == 2 and before[0] not in now
+
+    wait_until(replaced, 1200, 0.1)
+    now = engine_replicas()
     assert len(now) == 2 and before[0] not in now, now
     wait_for_two_running()
     assert replica_of(served, "after the kill")
