@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source_tree=$PWD
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 
 pip install --quiet build -c requirements-dev.lock
 python -m build --quiet --outdir "$work/dist" .
