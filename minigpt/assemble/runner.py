@@ -28,11 +28,7 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
         from minigpt.compile.cache import ProgramCache
         from minigpt.compile.steps import CompiledSteps
 
-        steps = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir),
-                              decodes=not config.batch_invariant)  # batch_invariant: every step attends eagerly
-        runner.decoder, runner.halves = steps, steps.halves
-        if runner.backend.name == "torch":  # the decodes among prompts read their pages in place, compiled
-            runner.backend = steps.attention_backend
+        runner.decoder = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir))
     elif graphs:
         pages = -(-runner.model.config.n_positions // config.block_size)
         runner.decoder = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), pages,

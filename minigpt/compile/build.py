@@ -24,8 +24,10 @@ from minigpt.common.progress import announce
 
 logger = logging.getLogger("minigpt")
 
-# inductor's code would check every input's strides each call: nearly all weights, whose shapes the key fixes
-PACKAGE_OPTIONS = {"size_asserts": False}
+# size_asserts: inductor's code would check every input's strides each call: nearly all weights, whose shapes the key
+# fixes. The variance threshold: Welford's variance in every layernorm, as programs of one row take it (a two-pass one
+# in the batched programs would give a row other bits alone than among others).
+PACKAGE_OPTIONS = {"size_asserts": False, "cpp.use_two_step_variance_threshold": 0}
 
 
 @dataclass

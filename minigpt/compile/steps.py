@@ -1,6 +1,9 @@
 """The compiled steps of `compile=True`: AOTInductor programs of one block's shape, each layer's tensors among
-their inputs (one program serves every layer). A decode-only step runs `decode_layer` per block (and, for one
-sequence, programs of batch 1 with the head); every other step runs the eager loop around compiled halves."""
+their inputs (one program serves every layer). A decode-only step runs `decode_layer` per block; every other step
+runs the layer loop of `CompiledRows`. A position's bits never depend on its step (batch invariance): every row
+generated (a decode, a drafted token verified, an output recomputed after preemption) goes through `decode_layer`,
+every prompt row through the compiled halves around `prompt_attention`, every logits row through the head program;
+programs of batch 1 give the same bits as the batched ones (their variance is Welford's, see `build`)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,16 @@ from minigpt.common.errors import error_line
 from minigpt.compile.cache import ProgramCache, ProgramSpec, build_environment
 from minigpt.compile.torch_compat import missing_internals
 from minigpt.engine.kv_cache import KVPool
-from minigpt.model.attention import Attention, PoolAttention, attention_inputs, attention_outputs, paged_decode
+from minigpt.model.attention import (
+    PROMPT_PIECE,
+    Attention,
+    PoolAttention,
+    StepMetadata,
+    attention_inputs,
+    attention_outputs,
+    causal_mask,
+    prompt_attention,
+)
 from minigpt.model.backends import store_kv
 from minigpt.model.gpt2 import GPT2, Block, final_logits
 
@@ -111,11 +123,6 @@ class TensorsAsInputs(torch.nn.Module):
         return torch.func.functional_call(self.call, dict(zip(self.names, tensors, strict=True)), inputs)
 
 
-class PagedDecodeProgram(torch.nn.Module):
-    def forward(self, query, pages, block_tables, context_lens, first_pages, scale):
-        return paged_decode(query, pages, block_tables, context_lens, first_pages, scale)
-
-
 class FlatProgram:
     """A loaded package called with one flat list of tensors: its own `__call__` reparses its specs each call."""
 
@@ -155,54 +162,91 @@ class HeadProgram:
         return self.program(*self.tensors, x)
 
 
-class CompiledDecodeBackend:
-    """The torch backend's decode attention as a program of `paged_decode`, reading the pages in place."""
+class CompiledRows(Attention):
+    """A step with prompt chunks: each block's halves on every row, its K/V stored, then its prompt rows through
+    `prompt_attention` and the `after` half, its generated rows (past their prompts) through the decode program,
+    as a decode step would run them: the K/V of the rows before each are in the pool by then."""
 
-    name = "torch"
-    store_kv = staticmethod(store_kv)
+    def __init__(self, steps: CompiledSteps, meta: StepMetadata, num_rows: int) -> None:
+        self.steps, self.meta, self.kv_pool = steps, meta, steps.pool.kv
+        device = self.kv_pool.device
+        prompt, generated, tables, lens = [], [], [], []
+        for seg in meta.prefills:
+            first = seg.context_len - seg.length
+            prompt += range(seg.start, seg.start + seg.prompt_rows)
+            for row in range(seg.prompt_rows, seg.length):
+                generated.append(seg.start + row)
+                tables.append(seg.block_table)
+                lens.append(first + row + 1)
+        if meta.decode_block_tables is not None:
+            generated += range(meta.num_prefill_tokens, num_rows)
+            tables += meta.decode_block_tables.long().unbind()
+            lens += meta.decode_context_lens.tolist()
+        self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
+        self.generated = torch.tensor(generated, dtype=torch.long, device=device)
+        self.tables = nn.utils.rnn.pad_sequence(tables, batch_first=True).int() if tables else None
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.is_generated = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.is_generated[self.generated] = True
+        self.order = torch.empty(num_rows, dtype=torch.long, device=device)  # a row's index in its own kind
+        self.order[self.prompt] = torch.arange(len(prompt), device=device)
+        self.order[self.generated] = torch.arange(len(generated), device=device)
+        longest = max((seg.context_len for seg in meta.prefills if seg.prompt_rows), default=0)
+        model = steps.model
+        dtype = torch.float32 if model.config.reorder_and_upcast_attn else model.dtype
+        self.causal = causal_mask(-(-longest // PROMPT_PIECE) * PROMPT_PIECE, dtype, device)
 
-    def __init__(self, pool: KVPool, attend: Callable) -> None:
-        self.pool, self._attend = pool, attend
-        self._first_pages: dict[tuple[int, int], torch.Tensor] = {}
-        self._scales: dict[float, torch.Tensor] = {}
+    def block(self, layer: int, block: Block, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        steps, meta = self.steps, self.meta
+        before, after = steps.halves
+        q, k, v = before(block, x)
+        k_cache, v_cache = self.kv_pool[layer]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not len(self.generated):  # prompts alone: every row a prompt row, in order
+            y = self.prompt_attention(layer, q, k_cache, v_cache).flatten(1)
+            if rows is not None:
+                x, y = x[rows], y[rows]
+            return after(block, x, y)
+        rows = torch.arange(len(x), device=x.device) if rows is None else rows
+        out = x.new_empty(len(rows), x.shape[1])
+        generated = self.is_generated[rows]
+        prompt_rows, generated_rows = rows[~generated], self.order[rows[generated]]
+        if len(prompt_rows):
+            y = self.prompt_attention(layer, q, k_cache, v_cache)[self.order[prompt_rows]]
+            out[~generated] = after(block, x[prompt_rows], y.flatten(1))
+        if len(generated_rows):
+            program = steps.alone[0] if len(generated_rows) == 1 else steps.layer
+            out[generated] = program(block, x[self.generated[generated_rows]], self.kv_pool[layer],
+                                     self.tables[generated_rows], self.lens[generated_rows], steps.scales[layer])[0]
+        return out
 
-    def decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        kv = self.pool.kv
-        pages = kv.view(-1, *kv.shape[3:])
-        page = k_cache[0].numel()
-        # where this layer's pages start, and its scale, as tensors: every layer runs the same program
-        key = (k_cache.storage_offset() // page, v_cache.storage_offset() // page)
-        if key not in self._first_pages:
-            self._first_pages[key] = torch.tensor(key, device=kv.device)
-        if scale not in self._scales:
-            self._scales[scale] = torch.tensor(scale, device=kv.device)
-        return self._attend(query, pages, block_tables, context_lens, self._first_pages[key], self._scales[scale])
+    def prompt_attention(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> torch.Tensor:
+        """[P, H, D] for the step's prompt rows, in their order."""
+        scale = self.steps.attention_scales[layer]
+        parts = [prompt_attention(q[seg.start : seg.start + seg.prompt_rows], k_cache, v_cache, seg.block_table,
+                                  seg.context_len - seg.length, scale, self.causal)
+                 for seg in self.meta.prefills if seg.prompt_rows]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def close(self) -> None:
-        pass
+    def head(self, model: GPT2, x: torch.Tensor) -> torch.Tensor:
+        return self.steps.head_for(len(x))(model, x)
 
 
 class CompiledSteps:
-    """A compiled engine's decode backend, its programs from `cache` (`cache_entry` None: untrusted); `decodes`
-    False leaves decode steps to the eager forward."""
+    """A compiled engine's steps, every one (`DecodeBackend`), its programs from `cache` (`cache_entry` None:
+    untrusted)."""
 
-    PROGRAMS = ("layer", "layer_alone", "head_alone", "before", "after", "attend")
+    PROGRAMS = ("layer", "layer_alone", "head", "head_alone", "before", "after")
 
-    def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache, decodes: bool = True) -> None:
+    def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache) -> None:
         missing = missing_internals()
         if missing:
             raise RuntimeError(f"compile=True needs torch internals this torch {torch.__version__} lacks: "
                                f"{', '.join(missing)}")
-        self.model, self.pool, self.decodes = model, pool, decodes  # the pool, not its tensor: close() frees that
-        self._scales = attention_scales(model)
+        self.model, self.pool = model, pool  # the pool, not its tensor: close() frees that
+        self.attention_scales = model.attention_scales()
+        self.scales = attention_scales(model)
         self._head = HeadModules(model)
         try:
             programs, self.cache_entry = cache.load(self.description(), self.PROGRAMS, self._specs)
@@ -212,10 +256,13 @@ class CompiledSteps:
                 f"AOTInductor needs (a C++ compiler on the CPU): {error_line(err)}"
             ) from err
         self.layer = LayerProgram(programs["layer"], model.h)
+        self.head = HeadProgram(programs["head"], self._head)
         # one sequence: programs of a static batch of 1, whose linears may run one-row products
         self.alone = (LayerProgram(programs["layer_alone"], model.h), HeadProgram(programs["head_alone"], self._head))
         self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
-        self.attention_backend = CompiledDecodeBackend(pool, FlatProgram(programs["attend"]))
+
+    def head_for(self, rows: int) -> HeadProgram:
+        return self.alone[1] if rows == 1 else self.head
 
     def description(self) -> dict:
         model, kv = self.model, self.pool.kv
@@ -236,37 +283,37 @@ class CompiledSteps:
         lens = torch.full((EXAMPLE_BATCH,), 2, dtype=torch.int32, device=device)
         x = torch.zeros(EXAMPLE_TOKENS, config.n_embd, device=device)
         block = model.h[0]
-        with torch.inference_mode():
-            q = attention_inputs(block, x[:EXAMPLE_BATCH])[0]
         pool = kv.new_zeros(kv.shape[1], EXAMPLE_BLOCKS, *kv.shape[3:])  # one layer's, of any number of pages
-        y = torch.zeros_like(x, dtype=q.dtype)
+        y = torch.zeros_like(x, dtype=model.dtype)
         block_tensors = tensors_of(block)
         weights = (None,) * len(block_tensors)
         head_tensors = tensors_of(self._head)
         return [
             ProgramSpec("layer", TensorsAsInputs(decode_layer, block),
-                        (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self._scales[0]),
+                        (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self.scales[0]),
                         (weights, ({0: batch}, {1: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
             ProgramSpec("layer_alone", TensorsAsInputs(decode_layer, block),
-                        (block_tensors, x[:1], pool, tables[:1], lens[:1], self._scales[0]),
+                        (block_tensors, x[:1], pool, tables[:1], lens[:1], self.scales[0]),
                         (weights, (None, {1: blocks}, {1: pages}, None, None))),
+            ProgramSpec("head", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:EXAMPLE_BATCH]),
+                        ((None,) * len(head_tensors), ({0: batch},))),
             ProgramSpec("head_alone", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:1]),
                         ((None,) * len(head_tensors), (None,))),
             ProgramSpec("before", TensorsAsInputs(attention_inputs, block), (block_tensors, x),
                         (weights, ({0: tokens},))),
             ProgramSpec("after", TensorsAsInputs(attention_outputs, block), (block_tensors, x, y),
                         (weights, ({0: tokens}, {0: tokens}))),
-            ProgramSpec("attend", PagedDecodeProgram(),
-                        (q, pool.flatten(0, 1), tables, lens, torch.tensor([0, 1], device=device),
-                         torch.tensor(1.0, device=device)),
-                        ({0: batch}, {0: blocks}, {0: batch, 1: pages}, {0: batch}, None, None)),
         ]
 
     def covers(self, inputs) -> bool:
-        return self.decodes and inputs.meta.decode_only
+        return True
 
     def __call__(self, inputs) -> torch.Tensor:
         meta = inputs.meta
-        layer, head = self.alone if len(inputs.input_ids) == 1 else (self.layer, final_logits)
+        if not meta.decode_only:
+            attention = CompiledRows(self, meta, len(inputs.input_ids))
+            return self.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices)
+        rows = len(inputs.input_ids)
         return decode_step(self.model, inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
-                           meta.decode_context_lens, meta.slot_mapping, self._scales, layer, head)
+                           meta.decode_context_lens, meta.slot_mapping, self.scales,
+                           self.alone[0] if rows == 1 else self.layer, self.head_for(rows))

@@ -53,7 +53,8 @@ class EngineConfig:
     )
     batch_invariant: bool = _setting(
         False, "CPU: a request's tokens and logprobs bitwise the same whatever it is batched with, however its "
-        "prompt is chunked or cached, preempted or drafted for (float modes too; costs speed)"
+        "prompt is chunked or cached, preempted or drafted for, in the float and eager w8a8 modes (costs speed; "
+        "the fast mode is invariant without it)"
     )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     # bounds on one request's work, and on a step's
@@ -112,6 +113,11 @@ class EngineConfig:
         if self.compile and self.quantize != "w8a8":  # compiled float linears: not tiled
             raise ParamError("", "batch_invariant", (invariant, " with ", compile, " needs ",
                                                      Named("quantize", "w8a8")))
+
+    @property
+    def invariant(self) -> bool:
+        """A request's bits do not depend on its company: asked for, or the CPU fast mode (compiled w8a8's steps)."""
+        return self.batch_invariant or (self.compile and self.quantize == "w8a8" and self.device == "cpu")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -14,6 +14,7 @@ from minigpt.model.config import GPT2Config
 
 class CachedSequence(Protocol):
     block_table: list[int]
+    prompt_token_ids: list[int]
     token_ids: list[int]
     num_computed_tokens: int
     num_hashed_blocks: int
@@ -52,9 +53,13 @@ class KVPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 generated_apart: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # a block holding generated positions matches only where they are generated again (a preempted sequence's
+        # recomputation): for runners whose prompt rows attend by another kernel than generated ones
+        self.generated_apart = generated_apart
         self.free: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -86,14 +91,15 @@ class BlockManager:
             self.free.remove(block)  # revive a freed block that still holds its tokens
         self.ref_counts[block] += 1
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks of the longest run of full blocks of `token_ids`, never its last token's."""
+    def match_prefix(self, token_ids: Sequence[int], prompt_length: int) -> list[int]:
+        """The cached blocks of the longest run of full blocks of `token_ids` (the first `prompt_length` of them
+        a prompt), never its last token's."""
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], 0
         for index in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent = hash((parent, tokens))
+            parent = self._chain(parent, tokens, index, prompt_length)
             block = self.cached.get(parent)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -146,11 +152,17 @@ class BlockManager:
             index = seq.num_hashed_blocks
             block = seq.block_table[index]
             tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-            seq.last_block_hash = hash((seq.last_block_hash, tokens))
+            seq.last_block_hash = self._chain(seq.last_block_hash, tokens, index, len(seq.prompt_token_ids))
             if self.block_hash[block] is None:
                 self.block_hash[block], self.block_tokens[block] = seq.last_block_hash, tokens
                 self.cached.setdefault(seq.last_block_hash, block)
             seq.num_hashed_blocks += 1
+
+    def _chain(self, parent: int, tokens: tuple[int, ...], index: int, prompt_length: int) -> int:
+        """The chained hash of block `index` holding `tokens` after the blocks hashed to `parent`."""
+        if self.generated_apart and (index + 1) * self.block_size > prompt_length:
+            return hash((parent, tokens, "generated"))
+        return hash((parent, tokens))
 
     def free_blocks(self, block_table: list[int]) -> None:
         """Freed blocks keep their tokens for the prefix cache until reused."""

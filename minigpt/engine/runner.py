@@ -12,7 +12,7 @@ from minigpt.common.transfer import to_device
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.kv_cache import KVPool, bytes_per_token
 from minigpt.engine.sequence import Sequence
-from minigpt.model.attention import EAGER_HALVES, InvariantAttention, PagedAttention, PrefillSegment, StepMetadata
+from minigpt.model.attention import InvariantAttention, PagedAttention, PrefillSegment, StepMetadata
 from minigpt.model.backends import select_backend
 from minigpt.model.config import GPT2Config
 from minigpt.model.gpt2 import GPT2
@@ -73,7 +73,6 @@ class ModelRunner:
         self.scales, self.upcast = model.attention_scales(), model.config.reorder_and_upcast_attn
         self.backend = select_backend(config.attention_backend, self.device)
         self.attention_kind = InvariantAttention if config.batch_invariant else PagedAttention
-        self.halves = EAGER_HALVES
         # new prompts attend in one call on a GPU (one small call each would idle it); one by one on the CPU
         self.batched_prefill = self.device.type == "cuda"
         self.decoder: DecodeBackend = EagerSteps(self)
@@ -102,7 +101,7 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 logits_rows: torch.Tensor | None) -> torch.Tensor:
-        attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast, self.halves)
+        attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast)
         return self.model.run(input_ids, positions, attention, logits_rows)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
@@ -127,9 +126,9 @@ class ModelRunner:
             start, first = len(tokens), seq.num_computed_tokens
             end = first + chunk
             tokens += ((seq, p) for p in range(first, end))
-            # a cached prefix to read (batch_invariant: every chunk attends over its pages)
-            pages = self._tensor(seq.block_table[: -(-end // bs)]) if first or self.config.batch_invariant else None
-            segments.append(PrefillSegment(start, chunk, end, pages))
+            in_prompt = max(0, min(end, len(seq.prompt_token_ids)) - first)
+            pages = self._tensor(seq.block_table[: -(-end // bs)])
+            segments.append(PrefillSegment(start, chunk, end, pages, in_prompt))
             if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
                 wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
                 if wanted:
@@ -176,7 +175,7 @@ class ModelRunner:
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
         self.backend.close()
-        self.decoder, self.halves = EagerSteps(self), EAGER_HALVES
+        self.decoder = EagerSteps(self)
 
 
 def _token_at(seq: Sequence, position: int) -> int:

@@ -80,7 +80,7 @@ class Scheduler:
             use_cache = seq.params.prompt_logprobs is None  # scoring needs every prompt position computed
             if seq.request_id in admitted_requests and use_cache and self._shareable(seq):
                 break  # a sibling completion (n > 1) waits one step, then reuses the prompt's pages
-            cached = self.blocks.match_prefix(seq.token_ids) if use_cache else []
+            cached = self.blocks.match_prefix(seq.token_ids, len(seq.prompt_token_ids)) if use_cache else []
             num_cached = len(cached) * self.blocks.block_size
             chunk = min(len(seq.token_ids) - num_cached, budget)
             revived = sum(1 for block in cached if self.blocks.ref_counts[block] == 0)

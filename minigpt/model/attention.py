@@ -3,7 +3,7 @@ An engine step is a flat batch: the prompt chunks, then one token per decoding s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,28 +22,21 @@ def attention_outputs(block, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return block.add_mlp(x + block.attn.c_proj(y))
 
 
-Halves = tuple[Callable, Callable]
-EAGER_HALVES: Halves = (attention_inputs, attention_outputs)
-
-
 class Attention:
-    """`block`: one block of the layer loop around this attention, through `halves`; `head`: the final head."""
-
-    halves: Halves = EAGER_HALVES
+    """`block`: one block of the layer loop around this attention; `head`: the final head."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def block(self, layer: int, block, x: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """x (N, C) -> the next x; only `rows` go on past the attention (the last layer's logits rows)."""
-        before, after = self.halves
-        q, k, v = before(block, x)
+        q, k, v = attention_inputs(block, x)
         y = self(layer, q, k, v)
         if rows is not None:
             x, y = x[rows], y[rows]
             if not len(x):
                 return x
-        return after(block, x, y)
+        return attention_outputs(block, x, y)
 
     def head(self, model, x: torch.Tensor) -> torch.Tensor:
         return model.head(x)
@@ -56,7 +49,8 @@ class PrefillSegment:
     start: int
     length: int
     context_len: int  # cached prefix + chunk
-    block_table: torch.Tensor | None  # [num_blocks] int64 covering context_len; None without a cached prefix
+    block_table: torch.Tensor  # [num_blocks] int64 covering context_len
+    prompt_rows: int  # the chunk's first rows that are prompt positions; the rest were generated (recomputed, drafts)
 
 
 @dataclass
@@ -96,9 +90,8 @@ class PagedAttention(Attention):
     """An engine step: its K/V stored in the pool, each prompt chunk through SDPA, the decodes through `backend`."""
 
     def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
-                 upcast: bool, halves: Halves = EAGER_HALVES) -> None:
+                 upcast: bool) -> None:
         self.kv_pool, self.meta, self.backend, self.scales, self.upcast = kv_pool, meta, backend, scales, upcast
-        self.halves = halves
         self.fresh_mask = None
         if meta.num_fresh:
             self.fresh_mask = block_causal_mask([seg.length for seg in meta.prefills[: meta.num_fresh]], kv_pool.device)
@@ -239,21 +232,41 @@ def attend(
     return (by_page.sum(1) + own_weight[..., None] * v) / (total + own_weight)[..., None]
 
 
-def paged_decode(
-    query: torch.Tensor,
-    pages: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    first_pages: torch.Tensor,
-    scale: torch.Tensor,
-) -> torch.Tensor:
-    """Decode attention (this step's K/V stored) as `attend`: queries (B, H, D) -> (B, H, D). pages: the pool
-    (n_layer * 2 * blocks, block_size, H, D); first_pages [2]: where this layer's keys and values start."""
-    tables = block_tables.long()
-    keys = pages[tables + first_pages[0]].float()
-    values = pages[tables + first_pages[1]].float()
-    cached = in_context(block_tables, context_lens, pages.shape[1])
-    return attend(query.float() * scale, keys, values, cached).to(query.dtype)
+PROMPT_PIECE = 32  # query positions in each of `prompt_attention`'s calls
+
+
+def causal_mask(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[size, size] additive mask: position i sees positions <= i."""
+    return torch.full((size, size), float("-inf"), dtype=dtype, device=device).triu(1)
+
+
+def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first: int,
+                     scale: float, causal: torch.Tensor) -> torch.Tensor:
+    """Prompt positions [first, first + T) q [T, H, D] (their K/V stored) -> [T, H, D], each row the same bits
+    however the prompt is chunked: SDPA of the PROMPT_PIECE positions its piece holds over the keys up to the
+    piece's end, so every call's shapes follow the piece alone. `causal`: a `causal_mask` past the last piece,
+    of the dtype attention runs in."""
+    end, dtype = first + len(q), causal.dtype
+    low, high = first // PROMPT_PIECE, -(-end // PROMPT_PIECE)
+    span, offset = high * PROMPT_PIECE, first - low * PROMPT_PIECE
+    heads, dim = k_cache.shape[2:]
+
+    def padded(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:  # (1, H, size, D), zeros elsewhere
+        out = rows.new_zeros(size, heads, dim, dtype=dtype)
+        out[start : start + len(rows)] = rows
+        return out.transpose(0, 1)[None]
+
+    # the pages' stale slots past `end` may hold anything, NaN included: zeros instead
+    keys, values = (padded(cache[table].view(-1, heads, dim)[:end], 0, span) for cache in (k_cache, v_cache))
+    rows = padded(q, offset, span - low * PROMPT_PIECE)  # whole pieces
+    out = []
+    for piece in range(low, high):
+        seen = (piece + 1) * PROMPT_PIECE
+        at = (piece - low) * PROMPT_PIECE
+        mask = causal[seen - PROMPT_PIECE : seen, :seen]
+        out.append(F.scaled_dot_product_attention(rows[:, :, at : at + PROMPT_PIECE], keys[:, :, :seen],
+                                                  values[:, :, :seen], attn_mask=mask, scale=scale))
+    return torch.cat(out, 2)[0, :, offset : offset + len(q)].transpose(0, 1).to(q.dtype)
 
 
 INVARIANT_ROWS = 4  # queries in each of `invariant_attention`'s products

@@ -33,6 +33,11 @@ class DraftSequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """Every token the mirror copies is a prompt token to the draft (its own outputs are only proposed)."""
+        return self.token_ids
+
 
 class DraftModel:
     """The draft checkpoint's runner and pool (as many tokens as the target's, no prefix cache)."""
