@@ -100,7 +100,7 @@ def test_every_kind_of_damage_is_detected_before_anything_loads(built_entry, tmp
     elif damage == "truncated manifest":
         (copy / MANIFEST).write_text((entry / MANIFEST).read_text()[:100])
     elif damage == "no package":
-        (copy / "attend.pt2").unlink()
+        (copy / "head.pt2").unlink()
     elif damage == "hash rewritten":  # a package replaced and its hash with it: the signature no longer holds
         shutil.copyfile(copy / "head_alone.pt2", copy / "layer.pt2")
         manifest["files"]["layer"] = manifest["files"]["head_alone"]
@@ -108,7 +108,7 @@ def test_every_kind_of_damage_is_detected_before_anything_loads(built_entry, tmp
     elif damage == "signed with another key":  # an entry copied from another user's cache
         (copy / MANIFEST).write_text(signed(manifest, b"k" * 32))
     elif damage == "incomplete manifest":
-        del manifest["files"]["attend"]
+        del manifest["files"]["head"]
         (copy / MANIFEST).write_text(signed(manifest, user_key()))
     else:
         copy.chmod(0o777)

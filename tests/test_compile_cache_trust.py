@@ -28,7 +28,7 @@ from minigpt.compile.trust import Untrusted, key_file, sign, user_key
 from conftest import random_prompts
 
 BUILD = {"format": 2, "minigpt": "abc", "torch": "2.13.0", "torch_git": "f00"}
-NAMES = ("layer", "attend")
+NAMES = ("layer", "head")
 PROMPTS = random_prompts([3, 17], seed=7)
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 NOBODY = 65534

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minigpt import LLM, SamplingParams
-from minigpt.compile.steps import LayerProgram, attention_scales, decode_step
-from minigpt.model.attention import EAGER_HALVES, PagedAttention, attention_inputs
+from minigpt.compile.steps import CompiledRows, LayerProgram, attention_scales, decode_step
+from minigpt.model.attention import PagedAttention, attention_inputs
 from minigpt.model.backends import TorchBackend
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -21,10 +21,10 @@ LENGTHS = [1, 7, 8, 9, 30, 64]
 MAX_TOKENS = [12, 9, 20, 2, 16, 30]
 
 
-def eager_step(runner, inputs, kv=None, halves=EAGER_HALVES):
+def eager_step(runner, inputs, kv=None):
     """The model runner's eager paged step on the torch reference backend, into `kv` (default: the pool)."""
     kv = runner.pool.kv if kv is None else kv
-    attention = PagedAttention(kv, inputs.meta, TorchBackend(), runner.scales, runner.upcast, halves)
+    attention = PagedAttention(kv, inputs.meta, TorchBackend(), runner.scales, runner.upcast)
     return runner.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices)
 
 
@@ -66,21 +66,22 @@ def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache
 
 
 @pytest.mark.slow
-def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
-    """Eager steps of a compiled engine (here: several prompts at once) run each block's halves around
-    attention through one program per half, shared by every layer: each layer's tensors are its inputs."""
+def test_compiled_prompt_steps_equal_the_eager_ones(tiny_checkpoint):
+    """Steps of a compiled engine with prompts (here: several at once) run each block's halves around
+    `prompt_attention` through one program per half, shared by every layer (each layer's tensors are its
+    inputs), and compute what the eager paged step computes."""
     with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
         engine = llm.engine
         for prompt in random_prompts(LENGTHS):
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         runner = engine.runner
         inputs = runner.prepare(engine.scheduler.schedule().chunks)
-        assert len(inputs.meta.prefills) == len(LENGTHS) and not runner.decoder.covers(inputs)
+        assert len(inputs.meta.prefills) == len(LENGTHS)
         compiled = runner.decoder.halves
         assert all(isinstance(half, LayerProgram) for half in compiled)
         pool = runner.pool.kv.clone()
         with torch.inference_mode():
-            got = eager_step(runner, inputs, halves=compiled)
+            got = runner.decoder(inputs)
             want = eager_step(runner, inputs, kv=pool)
             x = torch.randn(5, runner.model.config.n_embd)
             for block in runner.model.h:  # each layer its own results, not the first one's
@@ -91,8 +92,8 @@ def test_compiled_block_halves_equal_the_eager_ones(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_compiled_engine_equals_transformers(tiny_checkpoint):
-    """Batched, then alone (a lone prompt through the eager loop around the compiled halves, then batch
-    1's decodes through the decode program), token-exact with transformers; close() frees the pool."""
+    """Batched, then alone (a lone prompt through the compiled halves, then batch 1's decodes through the
+    decode program of one row), token-exact with transformers; close() frees the pool."""
     reference = hf_model(tiny_checkpoint)
     prompts = random_prompts(LENGTHS)
     want = [hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
@@ -108,23 +109,37 @@ def test_compiled_engine_equals_transformers(tiny_checkpoint):
     assert pool() is None  # close() freed the pool: the compiled steps hold no reference to it
 
 
-def test_decodes_among_prompts_attend_compiled_and_equal_transformers(tiny_checkpoint, monkeypatch):
-    """Steps that mix prompt chunks with decodes run eagerly around attention; with compile=True their
-    decodes attend through the compiled `paged_decode` (every layer, batch 1 and more, without a
-    program: each layer's pages are other offsets into the one pool), token-exact with transformers."""
+def test_decodes_among_prompts_run_the_decode_program_and_equal_transformers(tiny_checkpoint, monkeypatch):
+    """Steps that mix prompt chunks with decodes run their decodes through the decode programs (of one row
+    and of several), as decode steps do, token-exact with transformers."""
     reference = hf_model(tiny_checkpoint)
     # a budget of 24 tokens a step: prompts are chunked and prefilled next to the decodes of earlier ones;
     # with [5, 64], one sequence decodes next to the other's chunks
     batches = [(random_prompts(LENGTHS, seed=7), MAX_TOKENS), (random_prompts([5, 64], seed=8), [12, 4])]
     with LLM(str(tiny_checkpoint), compile=True, block_size=8, max_num_batched_tokens=24) as llm:
-        backend, rows = llm.engine.runner.decoder.attention_backend, []
-        attend = backend._attend
-        monkeypatch.setattr(backend, "_attend", lambda query, *args: rows.append(len(query)) or attend(query, *args))
+        steps, rows, inside = llm.engine.runner.decoder, [], []
+        layer, (layer_alone, head_alone), block = steps.layer, steps.alone, CompiledRows.block
+
+        def counted(program):
+            return lambda block, x, *args: rows.append((len(x), bool(inside))) or program(block, x, *args)
+
+        def prompt_step_block(self, *args):
+            inside.append(self)
+            try:
+                return block(self, *args)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(CompiledRows, "block", prompt_step_block)
+        monkeypatch.setattr(steps, "layer", counted(layer))
+        monkeypatch.setattr(steps, "alone", (counted(layer_alone), head_alone))
         for prompts, max_tokens in batches:
             outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
             want = [hf_greedy(reference, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
             assert [o.token_ids for o in outs] == want
-        assert len(rows) % llm.engine.runner.model.config.n_layer == 0 and 1 in rows and max(rows) > 1
+        among_prompts = [n for n, mixed in rows if mixed]
+        assert len(among_prompts) % llm.engine.runner.model.config.n_layer == 0
+        assert 1 in among_prompts and max(among_prompts) > 1
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_
 
 from minigpt.common.torch_support import release
 from minigpt.kernels import reference
-from minigpt.model.attention import token_attention
+from minigpt.model.attention import PROMPT_PIECE, causal_mask, prompt_attention, token_attention
 from minigpt.model.backends import TorchBackend
 
 HERE = Path(__file__).parent
@@ -90,6 +90,38 @@ def test_token_attention_is_causal_attention(compiled: bool, length: int, cached
         out = attention(q, k, v, 0.125)
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), naive_token_attention(q, k, v, 0.125, mask), rtol=1e-5, atol=1e-5)
+
+
+def paged_prompt(length: int, block_size: int, pool: torch.dtype):
+    """q [length, H, D] and its K/V stored in a pool of `pool` pages, in shuffled blocks; slots no prompt
+    position holds are NaN (a stale page may hold anything)."""
+    torch.manual_seed(0)
+    heads, dim, blocks = 3, 64, -(-length // block_size) + 2
+    q, k, v = (torch.randn(length, heads, dim) for _ in range(3))
+    table = torch.randperm(blocks)[: -(-length // block_size)]
+    caches = [torch.full((blocks, block_size, heads, dim), float("nan"), dtype=pool) for _ in range(2)]
+    slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+    reference.store_kv(k, v, *caches, slots)
+    return q, caches, table
+
+
+@pytest.mark.parametrize(("block_size", "pool"), [(16, torch.float32), (8, torch.float16)])
+def test_prompt_attention_is_causal_attention_and_the_same_bits_however_chunked(block_size, pool) -> None:
+    """A prompt's rows through `prompt_attention`, in one chunk or in chunks of any size (its earlier
+    positions then read back from the pages): causal attention over the pages as stored, each row the
+    same bits in every chunking (the flash kernel's own blocks follow the keys it is given), NaN slots
+    past the prompt never read."""
+    length = 300
+    q, (k_cache, v_cache), table = paged_prompt(length, block_size, pool)
+    causal = causal_mask(-(-length // PROMPT_PIECE) * PROMPT_PIECE, q.dtype, q.device)
+    whole = prompt_attention(q, k_cache, v_cache, table, 0, 0.125, causal)
+    stored = [cache[table].flatten(0, 1)[:length].float() for cache in (k_cache, v_cache)]
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    torch.testing.assert_close(whole.double(), naive_token_attention(q, *stored, 0.125, mask), rtol=1e-5, atol=1e-5)
+    for chunk in (1, 7, PROMPT_PIECE, 33, 100):
+        parts = [prompt_attention(q[start : start + chunk], k_cache, v_cache, table, start, 0.125, causal)
+                 for start in range(0, length, chunk)]
+        assert torch.equal(torch.cat(parts), whole), chunk
 
 
 @pytest.mark.parametrize("masked", [False, True])
