@@ -86,12 +86,25 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     assert "w8a8+compile+kv-float16" in peer.extra_dtypes and "w8a8+kv-float16" not in peer.extra_dtypes
 
 
+def test_bench_refuses_a_cpu_class_this_cpu_lacks(monkeypatch):
+    """--cpu-class of a class the CPU cannot run stops with why, before re-running itself."""
+    from minigpt.common import cpu_class
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from peers import machine
+
+    monkeypatch.setattr(cpu_class, "x86_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(machine.os, "execve", lambda *args: pytest.fail("re-ran itself"))
+    with pytest.raises(SystemExit, match="--cpu-class avx2_vnni: this CPU lacks avx_vnni"):
+        machine.run_at_cpu_class("avx2_vnni")
+
+
 def test_bench_runs_forced_to_a_lower_cpu_class_and_says_so(checkpoint_factory, tmp_path):
     """--cpu-class avx2 re-runs the bench with the variables that force AVX2; the tables and JSON record it."""
-    from minigpt.common.cpu_class import NEEDS, x86_flags
+    from minigpt.common.cpu_class import unusable
 
-    if NEEDS["avx2"] not in (x86_flags() or ()):
-        pytest.skip("this CPU cannot run the AVX2 class")
+    if unusable("avx2"):
+        pytest.skip(unusable("avx2"))
     checkpoint = checkpoint_factory(n_positions=512)  # the stream's 8 + 128 tokens
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--model", str(checkpoint), "--engines", "minigpt",

@@ -14,14 +14,13 @@ import torch
 from minigpt.common import cpu_class
 from minigpt.quant import fbgemm_int8
 
-CLASSES = {"native": None, **cpu_class.NEEDS}  # class -> the flag it needs
+CLASSES = ["native", *cpu_class.FORCE]
 
 
 def forced(name: str) -> dict[str, str]:
-    flags = cpu_class.x86_flags()
-    need = CLASSES[name]
-    if need is not None and (flags is None or need not in flags):
-        pytest.skip(f"this CPU cannot run the {name} class")
+    problem = cpu_class.unusable(name) if name != "native" else None
+    if problem:
+        pytest.skip(problem)
     return {**os.environ, **cpu_class.FORCE.get(name, {})}
 
 
@@ -59,6 +58,14 @@ def test_a_forced_class_picks_its_own_kernels(name):
     assert got["avx_vnni"] == (name == "avx2_vnni")
     assert got["fbgemm"] == fbgemm_int8.built_in() and got["packed_fp32"] and not got["native_bf16"]
     assert got["describe"].startswith("AVX2") and "forced by ATEN_CPU_CAPABILITY=avx2" in got["describe"]
+
+
+def test_a_class_the_cpu_lacks_is_named_with_what_it_lacks(monkeypatch):
+    monkeypatch.setattr(cpu_class, "x86_flags", lambda: frozenset({"sse2", "avx2"}))
+    assert cpu_class.unusable("avx2") is None
+    assert cpu_class.unusable("avx2_vnni") == "this CPU lacks avx_vnni, which the avx2_vnni class needs"
+    monkeypatch.setattr(cpu_class, "x86_flags", lambda: None)
+    assert "is an x86 one" in cpu_class.unusable("avx2")
 
 
 def test_the_native_class_is_said_plainly():

@@ -34,6 +34,16 @@ def x86_flags() -> frozenset[str] | None:
     return frozenset(line.partition(":")[2].split())
 
 
+def unusable(name: str) -> str | None:
+    """Why this CPU cannot run class `name` (a key of FORCE) forced on it; None: it can."""
+    flags = x86_flags()
+    if flags is None:
+        return f"the {name} class is an x86 one; this CPU is {platform.machine() or 'unknown'}"
+    if NEEDS[name] not in flags:
+        return f"this CPU lacks {NEEDS[name]}, which the {name} class needs"
+    return None
+
+
 def usable_flags() -> frozenset[str] | None:
     """`x86_flags` less what this run may not use: AVX-512 and AMX where torch runs AVX2 kernels, AVX-VNNI where
     oneDNN is held to plain AVX2."""

@@ -15,9 +15,14 @@ THREADS = int(os.environ.get("MINIGPT_BENCH_THREADS", os.cpu_count() or 1))
 def run_at_cpu_class(name: str) -> None:
     """Re-run this command with the variables that hold torch, oneDNN, fbgemm and CTranslate2 to `name` (on
     an AVX-512 machine, the AVX2 paths measured); llama.cpp runs the instructions its build was made for."""
-    from minigpt.common.cpu_class import FORCE
+    from minigpt.common import cpu_class
 
-    wanted = {**FORCE[name], "CT2_FORCE_CPU_ISA": "AVX2"} if name != "native" else {}
+    if name == "native":
+        return
+    problem = cpu_class.unusable(name)
+    if problem:
+        raise SystemExit(f"--cpu-class {name}: {problem}")
+    wanted = {**cpu_class.FORCE[name], "CT2_FORCE_CPU_ISA": "AVX2"}
     if any(os.environ.get(key) != value for key, value in wanted.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
 
