@@ -85,6 +85,23 @@ def test_two_replicas_write_what_one_process_writes_and_resume(cluster, checkpoi
     assert_same_results(resumed, one)
 
 
+def test_replicas_in_the_fast_mode_write_one_process_s_bits(cluster, checkpoint, template_file, tmp_path):
+    """The fast mode is batch-invariant (docs/batch-invariance.md): each replica, serving its share of the lines
+    among other company, writes the tokens and logprobs bit for bit that one process of as many threads writes."""
+    lines = [request_line(f"r{i}", "/v1/completions",
+                          {"prompt": f"Line {i} says " * (1 + i % 5), "max_tokens": 8, "temperature": 0,
+                           "logprobs": 3, "ignore_eos": True}) for i in range(12)]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    fast = ("--quiet", "--quantize", "w8a8", "--compile", "--kv-cache-dtype", "float16", "--threads", "1")
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    assert main(batch_args(checkpoint, template_file, str(source), str(one), *fast)) == 0
+    assert main(batch_args(checkpoint, template_file, str(source), str(two), *fast, *REPLICAS)) == 0
+    got, want = results(two), results(one)
+    assert {key: without_times(line) for key, line in got.items()} == {key: without_times(line)
+                                                                      for key, line in want.items()}
+
+
 def wait_until(ready, tries: int, seconds: float) -> bool:
     """A bounded poll: True once `ready()` holds, False after `tries` tries `seconds` apart."""
     for _ in range(tries):

@@ -182,14 +182,13 @@ class CompiledRows(Attention):
             generated += range(meta.num_prefill_tokens, num_rows)
             tables += meta.decode_block_tables.long().unbind()
             lens += meta.decode_context_lens.tolist()
-        self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.generated = torch.tensor(generated, dtype=torch.long, device=device)
         self.tables = nn.utils.rnn.pad_sequence(tables, batch_first=True).int() if tables else None
         self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.is_generated = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.is_generated[self.generated] = True
         self.order = torch.empty(num_rows, dtype=torch.long, device=device)  # a row's index in its own kind
-        self.order[self.prompt] = torch.arange(len(prompt), device=device)
+        self.order[torch.tensor(prompt, dtype=torch.long, device=device)] = torch.arange(len(prompt), device=device)
         self.order[self.generated] = torch.arange(len(generated), device=device)
         longest = max((seg.context_len for seg in meta.prefills if seg.prompt_rows), default=0)
         model = steps.model
