@@ -178,8 +178,9 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
         del compiled
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want
         n_layer = llm.engine.runner.model.config.n_layer
-        assert calls.count("head") == len(PROMPTS) * (params.max_tokens - 1)  # every decode step alone
-        assert calls.count("layer") == n_layer * calls.count("head")
+        decodes = len(PROMPTS) * (params.max_tokens - 1)  # every decode step alone
+        assert calls.count("layer") == n_layer * decodes
+        assert calls.count("head") == decodes + len(PROMPTS)  # and each prompt's logits row
         weight = weakref.ref(llm.engine.runner.model.h[0].mlp.c_fc.weight)
     del llm
     gc.collect()
