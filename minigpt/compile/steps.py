@@ -214,7 +214,7 @@ class CompiledRows(Attention):
             y = self.prompt_attention(layer, q, k_cache, v_cache)[self.order[prompt_rows]]
             out[~generated] = after(block, x[prompt_rows], y.flatten(1))
         if len(generated_rows):
-            program = steps.alone[0] if len(generated_rows) == 1 else steps.layer
+            program = steps.layer_for(len(generated_rows))
             out[generated] = program(block, x[self.generated[generated_rows]], self.kv_pool[layer],
                                      self.tables[generated_rows], self.lens[generated_rows], steps.scales[layer])[0]
         return out
@@ -259,6 +259,9 @@ class CompiledSteps:
         # one sequence: programs of a static batch of 1, whose linears may run one-row products
         self.alone = (LayerProgram(programs["layer_alone"], model.h), HeadProgram(programs["head_alone"], self._head))
         self.halves = (LayerProgram(programs["before"], model.h), LayerProgram(programs["after"], model.h))
+
+    def layer_for(self, rows: int) -> LayerProgram:
+        return self.alone[0] if rows == 1 else self.layer
 
     def head_for(self, rows: int) -> HeadProgram:
         return self.alone[1] if rows == 1 else self.head
@@ -315,4 +318,4 @@ class CompiledSteps:
         rows = len(inputs.input_ids)
         return decode_step(self.model, inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
                            meta.decode_context_lens, meta.slot_mapping, self.scales,
-                           self.alone[0] if rows == 1 else self.layer, self.head_for(rows))
+                           self.layer_for(rows), self.head_for(rows))
