@@ -8,4 +8,5 @@ setup(
     packages=find_packages(include=["minigpt", "minigpt.*"])
     + ["minigpt." + name for name in find_packages(include=["kernels", "kernels.*"])],
     package_dir={"minigpt.kernels": "kernels"},
+    package_data={"minigpt.kernels": ["*.cpp"]},  # C++ sources, built where they run (minigpt/compile/native.py)
 )

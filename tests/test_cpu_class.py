@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minigpt.common import cpu_class
-from minigpt.quant import fbgemm_int8
+from minigpt.quant import fbgemm_int8, int8_rows
 
 CLASSES = ["native", *cpu_class.FORCE]
 
@@ -45,18 +45,20 @@ usable = cpu_class.usable_flags() or frozenset()
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "describe": cpu_class.describe(),
                   "avx512": any(f.startswith("avx512") for f in usable), "avx_vnni": "avx_vnni" in usable,
                   "fbgemm": W8A8Linear(torch.nn.Linear(64, 8)).fbgemm, "native_bf16": native_bf16(),
+                  "few_rows": W8A8Linear(torch.nn.Linear(64, 8)).few_rows,
                   "packed_fp32": cpu_linear_for(torch.float32, torch.device("cpu")) is PackedLinear}))
 """
 
 
 @pytest.mark.parametrize("name", ["avx2", "avx2_vnni"])
 def test_a_forced_class_picks_its_own_kernels(name):
-    """Forced to AVX2 on any x86 CPU: torch's kernels, fbgemm's 7-bit w8a8, oneDNN-packed fp32 linears, no
-    native bf16; the class is said, with what forced it."""
+    """Forced to AVX2 on any x86 CPU: torch's kernels, fbgemm's 7-bit w8a8 and the AVX2 kernel of a few rows,
+    oneDNN-packed fp32 linears, no native bf16; the class is said, with what forced it."""
     got = run_forced(name, PICKS)
     assert got["capability"] == "AVX2" and not got["avx512"]
     assert got["avx_vnni"] == (name == "avx2_vnni")
     assert got["fbgemm"] == fbgemm_int8.built_in() and got["packed_fp32"] and not got["native_bf16"]
+    assert got["few_rows"] == (got["fbgemm"] and int8_rows.loaded())
     assert got["describe"].startswith("AVX2") and "forced by ATEN_CPU_CAPABILITY=avx2" in got["describe"]
 
 
@@ -116,7 +118,8 @@ def test_w8a8_is_batch_invariant_at_every_class(tiny_checkpoint, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["avx2", "avx2_vnni"])
 def test_compiled_w8a8_at_avx2_is_batch_invariant(tiny_checkpoint, name):
-    """The fast mode forced to AVX2: its compiled programs (of one sequence and of a batch) run fbgemm's
-    products (oneDNN's for many rows with AVX-VNNI); the same bits either way (tokens and logprobs)."""
+    """The fast mode forced to AVX2: its compiled programs of one sequence run the AVX2 kernel of a few rows,
+    those of a batch fbgemm's products (oneDNN's for many rows with AVX-VNNI); the same bits either way (tokens
+    and logprobs)."""
     got = run_forced(name, ENGINE, str(tiny_checkpoint), "compile")
     assert got["alone"] == got["batched"]

@@ -5,5 +5,6 @@
     build.py         building the steps: export and AOTInductor, side by side in worker processes
     worker.py        `python -m minigpt.compile.worker`: one step built in a process of its own
     trust.py         what lets the cache load an entry: owned folders and signed manifests
+    native.py        the C++ kernels of kernels/ built into signed libraries of torch ops in the cache
     torch_compat.py  the torch internals compiling relies on, in one place
 """

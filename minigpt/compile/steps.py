@@ -273,6 +273,8 @@ class CompiledSteps:
             "config": sorted(vars(model.config).items()),
             "dtype": str(model.dtype),
             "modules": sorted({type(module).__qualname__ for module in model.modules()}),
+            # the programs' inputs: a linear's packing for a kernel of our own among them, or not
+            "tensors": [name for module in (model.h[0], self._head) for name, _ in named_tensors(module)],
             "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of pages
         }
 

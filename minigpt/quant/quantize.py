@@ -1,6 +1,7 @@
 """int8 linears replacing every nn.Linear: `int8` (weight-only, per-channel absmax / 127, gpt-fast's recipe) and
 `w8a8` (each activation row also rounded to int8 with its own scale: exact integer products, per row so a request
-does not depend on its batch), through `torch._int_mm`, or fbgemm on AVX2-only CPUs (`fbgemm_int8`)."""
+does not depend on its batch), through `torch._int_mm`, or on AVX2-only CPUs fbgemm (`fbgemm_int8`) and for a few
+rows a kernel of our own (`int8_rows`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minigpt.engine.config import QUANTIZATIONS
 from minigpt.model.linears import replace_linears
-from minigpt.quant import fbgemm_int8
+from minigpt.quant import fbgemm_int8, int8_rows
 
 EXACT_TERMS = 1040  # int8 x int8 products (<= 127 * 127) an fp32 sum of which is exact: below 2**24
 ONE_ROW_MAX_INPUTS = 4096  # inputs up to which a compiled program of one row takes `one_row_products`
@@ -55,12 +56,17 @@ class W8A8Linear(Int8Linear):
                                and not self.fbgemm)
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
+        self.few_rows = self.fbgemm and int8_rows.usable(self.in_features)
+        if self.few_rows:
+            self.register_buffer("packed", int8_rows.pack(self.weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         row_scales = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.levels
         quantized = torch.round(flat / row_scales)
-        if self.fbgemm:
+        if self.few_rows and statically_known_true(flat.shape[0] <= int8_rows.ROWS):
+            products = int8_rows.rows_mm(quantized.to(torch.int8), self.packed, self.out_features)
+        elif self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight)
         elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
             products = one_row_products(quantized, self.weight)

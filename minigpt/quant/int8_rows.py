@@ -1,0 +1,71 @@
+"""int8 products of a few rows on x86 CPUs whose torch kernels are AVX2 ones: the kernel of
+kernels/int8_rows_avx2.cpp, over a weight packed 4 outputs x 32 inputs a block so that a product reads it in one
+stream. fbgemm's products of one row draw about half the memory bandwidth (scripts/PERFORMANCE.md). The kernel's
+products are exact integers, fbgemm's too: the same bits whichever of them a row goes through.
+
+Used where `usable(in_features)`; `MINIGPT_NATIVE_KERNELS=0` turns it off (fbgemm then takes every row)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minigpt import kernels
+from minigpt.common.cpu_class import usable_flags
+from minigpt.common.errors import error_line
+
+logger = logging.getLogger("minigpt")
+
+SWITCH = "MINIGPT_NATIVE_KERNELS"
+ROWS = 3  # rows up to which the kernel beats fbgemm's product
+OUTPUTS, INPUTS = 4, 32  # a packed block (as in the kernel)
+SOURCE = Path(kernels.__file__).parent / "int8_rows_avx2.cpp"
+FLAGS = ("-mavx2", "-mfma")
+
+
+def usable(in_features: int) -> bool:
+    """The kernel runs here, for a weight of `in_features` inputs: torch's kernels are AVX2 ones, the CPU has
+    AVX2, the switch is not off, and the library built and loaded (once a process)."""
+    return (in_features % INPUTS == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+            and "avx2" in (usable_flags() or ()) and os.environ.get(SWITCH, "1") != "0" and loaded())
+
+
+@functools.cache
+def loaded() -> bool:
+    from minigpt.compile.native import load_library
+
+    try:
+        load_library(SOURCE, FLAGS)
+    except (OSError, RuntimeError) as err:
+        logger.warning("the AVX2 int8 kernel is not used (fbgemm takes every row): %s", error_line(err))
+        return False
+    torch.library.register_fake("minigpt_cpu::int8_rows_mm", _rows_mm_shape)
+    return True
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N / 4), K / 32, 4, 32], outputs past N zero."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -n % OUTPUTS))
+    return padded.view(-1, OUTPUTS, k // INPUTS, INPUTS).transpose(1, 2).contiguous()
+
+
+def rows_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] int8, `packed` = pack(weight [n, K]) -> x @ weight^T [M, n], exact integers in fp32."""
+    if not loaded():  # loaded where `usable` was asked; a compile worker loads it here
+        raise RuntimeError("the AVX2 int8 kernel could not be loaded in this process")
+    return torch.ops.minigpt_cpu.int8_rows_mm(x, packed, n)
+
+
+def reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1] * INPUTS)[:n]
+    return (x.double() @ weight.double().t()).float()
+
+
+def _rows_mm_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
