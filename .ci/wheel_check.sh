@@ -43,6 +43,20 @@ if [[ -z "${by_module//[[:space:]]/}" || "$by_module" != "$by_command" ]]; then
     echo "CI: 'minigpt generate' printed '$by_command', 'python -m minigpt.generate' '$by_module'" >&2
     exit 1
 fi
+# the C++ kernel of the AVX2 class, built from the wheel's source (the class forced where the CPU is higher)
+if grep -qw avx2 /proc/cpuinfo; then
+    ATEN_CPU_CAPABILITY=avx2 MINIGPT_CACHE_DIR="$work/cache" python - <<'EOF'
+import torch
+from minigpt.quant import int8_rows
+from minigpt.quant.quantize import W8A8Linear
+assert "site-packages" in str(int8_rows.SOURCE), int8_rows.SOURCE
+layer = W8A8Linear(torch.nn.Linear(64, 8))
+assert layer.few_rows, "the AVX2 int8 kernel did not build from the installed wheel"
+x = torch.randn(1, 64)
+assert torch.equal(layer(x), layer(torch.cat([x, torch.randn(7, 64)]))[:1])
+print("CI: the AVX2 int8 kernel builds from the wheel and gives fbgemm's bits")
+EOF
+fi
 minigpt --version
 minigpt --help >/dev/null
 for command in serve precompile batch; do
