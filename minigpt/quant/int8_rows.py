@@ -1,7 +1,7 @@
 """int8 products of a few rows on x86 CPUs whose torch kernels are AVX2 ones: the kernel of
 kernels/int8_rows_avx2.cpp, over a weight packed 4 outputs x 32 inputs a block so that a product reads it in one
-stream. fbgemm's products of one row draw about half the memory bandwidth (scripts/PERFORMANCE.md). The kernel's
-products are exact integers, fbgemm's too: the same bits whichever of them a row goes through.
+stream, where fbgemm's products of one row stream it slower (scripts/PERFORMANCE.md, "The AVX2 int8 kernel"). The
+kernel's products are exact integers, fbgemm's too: the same bits whichever of them a row goes through.
 
 Used where `usable(in_features)`; `MINIGPT_NATIVE_KERNELS=0` turns it off (fbgemm then takes every row)."""
 
