@@ -82,6 +82,23 @@ def test_w8a8_takes_the_kernel_for_a_few_rows_and_fbgemm_beyond(monkeypatch):
     assert not W8A8Linear(linear).few_rows
 
 
+@pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
+def test_fbgemm_s_op_sends_a_few_rows_through_the_kernel_given_its_packing(monkeypatch):
+    """A program of any batch calls fbgemm's op: with the kernel's packing, a few rows go through the kernel
+    (the same integers); more rows, or no packing, through fbgemm."""
+    kernel_or_skip()
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(-127, 128, (50, 96), dtype=torch.int8, generator=generator)
+    fbgemm_int8.pack(weight)
+    packed = int8_rows.pack(weight)
+    calls = []
+    monkeypatch.setattr(int8_rows, "rows_mm", lambda *args: calls.append(len(args[0])) or int8_rows.reference(*args))
+    for rows in range(7):
+        x = torch.randint(-63, 64, (rows, 96), generator=generator).float()
+        assert torch.equal(fbgemm_int8.int8_mm(x, weight, packed), fbgemm_int8.int8_mm(x, weight))
+    assert calls == list(range(int8_rows.ROWS + 1))
+
+
 SOURCE = """
 #include <torch/library.h>
 at::Tensor twice(const at::Tensor& x) { return x.add(x); }

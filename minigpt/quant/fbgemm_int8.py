@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from minigpt.common.cpu_class import usable_flags
+from minigpt.quant import int8_rows
 
 ACTIVATION_LEVELS = 63  # activations are rounded to integers in [-63, 63]
 ONEDNN_ROWS = 32  # rows from which oneDNN's AVX-VNNI product beats fbgemm's
@@ -45,7 +46,9 @@ def avx_vnni() -> bool:
     return "avx_vnni" in (usable_flags() or ())
 
 
-def _int8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _int8_mm(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None and x.shape[0] <= int8_rows.ROWS:  # a batch of a few rows, in a program of any batch
+        return int8_rows.rows_mm(x.to(torch.int8), packed, weight.shape[0])
     if x.shape[0] >= ONEDNN_ROWS and avx_vnni():
         return torch._int_mm(x.to(torch.int8), weight.t()).float()
     packed = _PACKED.get(weight.data_ptr())
@@ -54,14 +57,14 @@ def _int8_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, _ZERO_POINT, packed)
 
 
-def _int8_mm_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _int8_mm_shape(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 _LIBRARY = torch.library.Library("minigpt", "FRAGMENT")
-_LIBRARY.define("fbgemm_int8_mm(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.define("fbgemm_int8_mm(Tensor x, Tensor weight, Tensor? packed=None) -> Tensor")
 _LIBRARY.impl("fbgemm_int8_mm", _int8_mm, "CPU")
 torch.library.register_fake("minigpt::fbgemm_int8_mm", _int8_mm_shape, lib=_LIBRARY)
 int8_mm = torch.ops.minigpt.fbgemm_int8_mm.default
-"""x [M, in] fp32 holding integers in [-63, 63], weight [out, in] int8 (packed with `pack`)
--> x @ weight^T [M, out], exact integers in fp32."""
+"""x [M, in] fp32 holding integers in [-63, 63], weight [out, in] int8 (packed with `pack`), and optionally its
+`int8_rows.pack`, through which `int8_rows.ROWS` rows or fewer go -> x @ weight^T [M, out], exact integers in fp32."""

@@ -57,17 +57,17 @@ class W8A8Linear(Int8Linear):
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
         self.few_rows = self.fbgemm and int8_rows.usable(self.in_features)
-        if self.few_rows:
-            self.register_buffer("packed", int8_rows.pack(self.weight), persistent=False)
+        self.register_buffer("packed", int8_rows.pack(self.weight) if self.few_rows else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         row_scales = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / self.levels
         quantized = torch.round(flat / row_scales)
         if self.few_rows and statically_known_true(flat.shape[0] <= int8_rows.ROWS):
+            # a program of one sequence calls the kernel's own op (no Python between); any other batch, fbgemm's op
             products = int8_rows.rows_mm(quantized.to(torch.int8), self.packed, self.out_features)
         elif self.fbgemm:
-            products = fbgemm_int8.int8_mm(quantized, self.weight)
+            products = fbgemm_int8.int8_mm(quantized, self.weight, self.packed)
         elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
             products = one_row_products(quantized, self.weight)
         else:
