@@ -1,5 +1,5 @@
 // int8 products of a few rows on x86 CPUs with AVX2: out[r, o] = sum_i x[r, i] * w[o, i], exact integers as fp32.
-// Built and loaded by minigpt/quant/int8_rows.py, which packs the weight and holds the torch reference.
+// Built by minigpt/compile/native.py; minigpt/quant/int8_rows.py packs the weight, calls it and holds its torch reference.
 //
 // The weight is packed [ceil(N / 4), K / 32, 4, 32]: the 32 inputs of 4 outputs side by side, so a product reads its
 // weight in one stream, prefetched ahead; each row's 4 outputs are summed in 4 registers.
