@@ -30,11 +30,10 @@ STANDARD = "-std=c++20"  # as inductor builds its CPU code
 
 def load_library(source: Path, flags: tuple[str, ...]) -> None:
     """Load the ops `source` defines, built with `flags` (e.g. `-mavx2`); RuntimeError if the build fails."""
-    compiler = cpp_compiler()
-    body = source.read_bytes()
+    command = _command(source, flags, cpp_compiler())
     key = hashlib.sha256(json.dumps({
-        "source": hashlib.sha256(body).hexdigest(), "flags": flags, "standard": STANDARD, "torch": torch.__version__,
-        "torch_git": torch.version.git_version, "compiler": compiler_version(compiler),
+        "source": hashlib.sha256(source.read_bytes()).hexdigest(), "command": command, "torch": torch.__version__,
+        "torch_git": torch.version.git_version, "compiler": compiler_version(command[0]),
     }).encode()).hexdigest()[:32]
     name = f"{source.stem}-{key}"
     try:
@@ -44,11 +43,11 @@ def load_library(source: Path, flags: tuple[str, ...]) -> None:
     except (Untrusted, OSError) as err:
         logger.warning("compile cache not used (%s): building %s for this process alone", error_line(err), source.name)
         with tempfile.TemporaryDirectory() as scratch:  # the loaded library stays mapped once its file is gone
-            torch.ops.load_library(_build(source, flags, compiler, Path(scratch) / f"{name}.so"))
+            torch.ops.load_library(_build(source, command, Path(scratch) / f"{name}.so"))
         return
     library, signature = folder / f"{name}.so", folder / f"{name}.hmac"
     if not _signed(library, signature, secret):
-        built = _build(source, flags, compiler, folder / f".{name}.{os.getpid()}.so")
+        built = _build(source, command, folder / f".{name}.{os.getpid()}.so")
         scratch = folder / f".{name}.{os.getpid()}.hmac"
         scratch.write_text(sign(secret, built.read_bytes()))
         os.replace(built, library)
@@ -79,18 +78,22 @@ def _signed(library: Path, signature: Path, secret: bytes) -> bool:
         return False
 
 
-def _build(source: Path, flags: tuple[str, ...], compiler: str, out: Path) -> Path:
+def _command(source: Path, flags: tuple[str, ...], compiler: str) -> list[str]:
+    """The compiler's command for `source`, less its output: the key of the library names all of it."""
     from torch.utils import cpp_extension
 
-    command = [
+    return [
         compiler, "-O3", "-fPIC", "-shared", "-fopenmp", STANDARD, *flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{path}" for path in cpp_extension.include_paths()), str(source), "-o", str(out),
+        *(f"-I{path}" for path in cpp_extension.include_paths()), str(source),
         *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
     ]
+
+
+def _build(source: Path, command: list[str], out: Path) -> Path:
     announce(logger, "building the C++ kernel %s (once for this torch and compiler)", source.name)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
     if done.returncode:
         errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
         raise RuntimeError(f"building {source.name} failed: {errors[0] if errors else done.returncode}")

@@ -56,8 +56,13 @@ class W8A8Linear(Int8Linear):
                                and not self.fbgemm)
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
-        self.few_rows = self.fbgemm and int8_rows.usable(self.in_features)
-        self.register_buffer("packed", int8_rows.pack(self.weight) if self.few_rows else None, persistent=False)
+        few_rows = self.fbgemm and int8_rows.usable(self.in_features)
+        self.register_buffer("packed", int8_rows.pack(self.weight) if few_rows else None, persistent=False)
+
+    @property
+    def few_rows(self) -> bool:
+        """A few rows go through the AVX2 kernel (`int8_rows`), over this packing of the weight."""
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
