@@ -77,5 +77,5 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 }  // namespace
 
-TORCH_LIBRARY(minigpt_cpu, m) { m.def("int8_rows_mm(Tensor x, Tensor packed, int n) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(minigpt_cpu, m) { m.def("int8_rows_mm(Tensor x, Tensor packed, int n) -> Tensor"); }
 TORCH_LIBRARY_IMPL(minigpt_cpu, CPU, m) { m.impl("int8_rows_mm", &int8_rows_mm); }

@@ -78,7 +78,7 @@ def test_w8a8_takes_the_kernel_for_a_few_rows_and_fbgemm_beyond(monkeypatch):
     for i in range(6):
         assert torch.equal(layer(x[i : i + int8_rows.ROWS]), batched[i : i + int8_rows.ROWS])
     assert len(calls) == 8 + 6
-    monkeypatch.setenv(int8_rows.SWITCH, "0")
+    monkeypatch.setenv(cpu_class.NATIVE_SWITCH, "0")
     assert not W8A8Linear(linear).few_rows
 
 

@@ -18,6 +18,7 @@ import torch
 _AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 FORCE = {"avx2": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2"}, "avx2_vnni": {**_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}}
 NEEDS = {"avx2": "avx2", "avx2_vnni": "avx_vnni"}  # the CPU flag a class forced on it needs
+NATIVE_SWITCH = "MINIGPT_NATIVE_KERNELS"  # 0: minigpt's own C++ kernels (kernels/*.cpp) off, torch's everywhere
 _SHOWN = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")  # what describe lists
 
 
@@ -42,6 +43,10 @@ def unusable(name: str) -> str | None:
     if NEEDS[name] not in flags:
         return f"this CPU lacks {NEEDS[name]}, which the {name} class needs"
     return None
+
+
+def native_kernels_on() -> bool:
+    return os.environ.get(NATIVE_SWITCH, "1") != "0"
 
 
 def usable_flags() -> frozenset[str] | None:

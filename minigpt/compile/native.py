@@ -55,6 +55,17 @@ def load_library(source: Path, flags: tuple[str, ...]) -> None:
     torch.ops.load_library(str(library))
 
 
+def loads(source: Path, flags: tuple[str, ...], instead: str) -> bool:
+    """`load_library`, False where it fails (no compiler, a failed build, a library that will not load) with a
+    warning saying what runs `instead`."""
+    try:
+        load_library(source, flags)
+    except Exception as err:
+        logger.warning("the C++ kernel %s is not used (%s instead): %s", source.name, instead, error_line(err))
+        return False
+    return True
+
+
 def cpp_compiler() -> str:
     """Inductor's C++ compiler ($CXX, else the first it finds): the one the compiled steps need anyway."""
     from torch._inductor.cpp_builder import get_cpp_compiler

@@ -3,25 +3,20 @@ kernels/int8_rows_avx2.cpp, over a weight packed 4 outputs x 32 inputs a block s
 stream, where fbgemm's products of one row stream it slower (scripts/PERFORMANCE.md, "The AVX2 int8 kernel"). The
 kernel's products are exact integers, fbgemm's too: the same bits whichever of them a row goes through.
 
-Used where `usable(in_features)`; `MINIGPT_NATIVE_KERNELS=0` turns it off (fbgemm then takes every row)."""
+Used where `usable(in_features)`; `MINIGPT_NATIVE_KERNELS=0` (`cpu_class.NATIVE_SWITCH`) turns it off (fbgemm then
+takes every row)."""
 
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from minigpt import kernels
-from minigpt.common.cpu_class import usable_flags
-from minigpt.common.errors import error_line
+from minigpt.common.cpu_class import native_kernels_on, usable_flags
 
-logger = logging.getLogger("minigpt")
-
-SWITCH = "MINIGPT_NATIVE_KERNELS"
 ROWS = 3  # rows up to which the kernel beats fbgemm's product
 OUTPUTS, INPUTS = 4, 32  # a packed block (as in the kernel)
 SOURCE = Path(kernels.__file__).parent / "int8_rows_avx2.cpp"
@@ -32,17 +27,14 @@ def usable(in_features: int) -> bool:
     """The kernel runs here, for a weight of `in_features` inputs: torch's kernels are AVX2 ones, the CPU has
     AVX2, the switch is not off, and the library built and loaded (once a process)."""
     return (in_features % INPUTS == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2"
-            and "avx2" in (usable_flags() or ()) and os.environ.get(SWITCH, "1") != "0" and loaded())
+            and "avx2" in (usable_flags() or ()) and native_kernels_on() and loaded())
 
 
 @functools.cache
 def loaded() -> bool:
-    from minigpt.compile.native import load_library
+    from minigpt.compile.native import loads
 
-    try:
-        load_library(SOURCE, FLAGS)
-    except Exception as err:  # no compiler, a failed build, a library that will not load: fbgemm instead
-        logger.warning("the AVX2 int8 kernel is not used (fbgemm takes every row): %s", error_line(err))
+    if not loads(SOURCE, FLAGS, "fbgemm for every row"):
         return False
     torch.library.register_fake("minigpt_cpu::int8_rows_mm", _rows_mm_shape)
     return True
