@@ -2,6 +2,7 @@
 
     python scripts/profile_decode.py --model checkpoints/gpt2-random --device cuda --dtype bfloat16 --batch 1
     python scripts/profile_decode.py --model checkpoints/gpt2-random --device cuda --enforce-eager
+    python scripts/profile_decode.py --model checkpoints/gpt2-random --quantize w8a8 --compile --kv-cache-dtype float16
 
 `batch` sequences are prefilled, then `--steps` decode steps are timed: each phase of `Engine.step` on the
 host clock (schedule, prepare, run: the model's launch or a graph's replay, postprocess: sampling, which
@@ -40,7 +41,8 @@ def timed(owner: object, name: str, totals: dict[str, float]) -> None:
 
 def profile(args: argparse.Namespace) -> None:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(args.batch, 1))
+              max_num_seqs=max(args.batch, 1), quantize=args.quantize, compile=args.compile,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     params = SamplingParams(max_tokens=3 * args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
@@ -57,7 +59,9 @@ def profile(args: argparse.Namespace) -> None:
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
     graphs = "CUDA graphs" if isinstance(engine.runner.decoder, DecodeGraphs) else "eager"
-    print(f"{args.model} | {args.device} {args.dtype} | {graphs} | batch {args.batch} | "
+    mode = " ".join(f"{name} {value}" for name, value in (("quantize", args.quantize), ("compile", args.compile),
+                                                           ("KV", args.kv_cache_dtype)) if value)
+    print(f"{args.model} | {args.device} {args.dtype} {mode} | {graphs} | batch {args.batch} | "
           f"{1000 * wall:.3f} ms per decode step over {args.steps} steps")
     for name, total in totals.items():
         print(f"  {name:<13} {1000 * total / args.steps:8.3f} ms per step")
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed, then profiled")
     parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--quantize", default=None, help="int8, w8a8 or int4 (LLM's quantize)")
+    parser.add_argument("--compile", action="store_true", help="the compiled steps (LLM's compile=True)")
+    parser.add_argument("--kv-cache-dtype", default=None, help="the KV pool's dtype, e.g. float16")
     parser.add_argument("--out", help="append the report to this file instead of printing it")
     args = parser.parse_args(argv)
     if args.out is None:
