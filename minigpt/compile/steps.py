@@ -17,7 +17,9 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from minigpt.common.errors import error_line
+from minigpt.compile import pool_attention
 from minigpt.compile.cache import ProgramCache, ProgramSpec, build_environment
+from minigpt.compile.pool_attention import NativePoolAttention
 from minigpt.compile.torch_compat import missing_internals
 from minigpt.engine.kv_cache import KVPool
 from minigpt.model.attention import (
@@ -46,11 +48,18 @@ def decode_layer(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: torch.Tensor,
+    attention: type[Attention] = PoolAttention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D]); pool: this layer's, read only."""
     q, k, v = attention_inputs(block, x)
-    y = PoolAttention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
+    y = attention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
     return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)
+
+
+def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_layer` through the C++ decode attention, where `pool_attention.usable`."""
+    return decode_layer(block, x, pool, block_tables, context_lens, scale, NativePoolAttention)
 
 
 class PoolDecode(Attention):
@@ -247,6 +256,7 @@ class CompiledSteps:
         self.attention_scales = model.attention_scales()
         self.scales = attention_scales(model)
         self._head = HeadModules(model)
+        self.decode_layer = native_decode_layer if pool_attention.usable(pool.kv) else decode_layer
         try:
             programs, self.cache_entry = cache.load(self.description(), self.PROGRAMS, self._specs)
         except Exception as err:  # e.g. no C++ compiler for inductor's CPU code
@@ -276,6 +286,7 @@ class CompiledSteps:
             # the programs' inputs: a linear's packing for a kernel of our own among them, or not
             "tensors": [name for module in (model.h[0], self._head) for name, _ in named_tensors(module)],
             "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of pages
+            "decode_layer": self.decode_layer.__name__,  # with the C++ attention or inductor's
         }
 
     def _specs(self) -> list[ProgramSpec]:
@@ -293,10 +304,10 @@ class CompiledSteps:
         weights = (None,) * len(block_tensors)
         head_tensors = tensors_of(self._head)
         return [
-            ProgramSpec("layer", TensorsAsInputs(decode_layer, block),
+            ProgramSpec("layer", TensorsAsInputs(self.decode_layer, block),
                         (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self.scales[0]),
                         (weights, ({0: batch}, {1: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
-            ProgramSpec("layer_alone", TensorsAsInputs(decode_layer, block),
+            ProgramSpec("layer_alone", TensorsAsInputs(self.decode_layer, block),
                         (block_tensors, x[:1], pool, tables[:1], lens[:1], self.scales[0]),
                         (weights, (None, {1: blocks}, {1: pages}, None, None))),
             ProgramSpec("head", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:EXAMPLE_BATCH]),

@@ -1,0 +1,164 @@
+// Decode attention over a paged KV pool on x86 CPUs with AVX2: one new token per sequence over its cached keys and
+// values in pages and its own (not yet stored). Built by minigpt/compile/native.py; minigpt/compile/pool_attention.py
+// calls it; its torch reference is `PoolAttention` (minigpt/model/attention.py).
+//
+// A sequence's pages are read in order, each slot's heads side by side (a task: a sequence and a group of its
+// heads). Per head: its scores in slot order, their max, exp, then the values summed in slot order, fp32
+// throughout. No sum spans two heads, so a sequence's result is the same bits alone, in any batch, on any threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = 8;  // floats in an AVX2 register
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float lanes_sum(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += kLanes) acc = _mm256_fmadd_ps(load8(q + d), load8(k + d), acc);
+  return lanes_sum(acc);
+}
+
+// the heads [first, last) of sequence b; scores: (last - first) rows of `row` floats
+template <typename T>
+void attend_heads(int64_t b, int64_t first, int64_t last, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const T* key_data, const T* value_data, const int32_t* table, int64_t length,
+                  int64_t block_size, float* scores, int64_t row, float* out) {
+  const int64_t heads = q.size(1), dim = q.size(2), slot_stride = heads * dim, page_stride = block_size * slot_stride;
+  const float* query = q.const_data_ptr<float>() + b * slot_stride;
+  const float* own_k = k.const_data_ptr<float>() + b * slot_stride;
+  const float* own_v = v.const_data_ptr<float>() + b * slot_stride;
+  float* y = out + b * slot_stride;
+  for (int64_t t = 0; t < length; ++t) {  // a slot's heads side by side: the pages are read in order
+    const T* slot = key_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
+    for (int64_t h = first; h < last; ++h) scores[(h - first) * row + t] = dot(query + h * dim, slot + h * dim, dim);
+  }
+  for (int64_t h = first; h < last; ++h) {
+    float* score = scores + (h - first) * row;
+    score[length] = dot(query + h * dim, own_k + h * dim, dim);  // its own key last
+    float top = score[length];
+    for (int64_t t = 0; t < length; ++t) top = std::max(top, score[t]);
+    const int64_t count = length + 1;
+    Vec total(0.0f);
+    for (int64_t t = 0; t < count; t += kLanes) {
+      const int64_t lanes = std::min(kLanes, count - t);
+      const Vec weights = (Vec::loadu(score + t, lanes) - Vec(top)).exp();
+      weights.store(score + t, lanes);
+      total = total + Vec::set(Vec(0.0f), weights, lanes);
+    }
+    score[count] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, total);
+    const __m256 own_weight = _mm256_set1_ps(score[length]);
+    for (int64_t d = 0; d < dim; d += kLanes)
+      _mm256_storeu_ps(y + h * dim + d, _mm256_mul_ps(own_weight, load8(own_v + h * dim + d)));
+  }
+  for (int64_t t = 0; t < length; ++t) {
+    const T* slot = value_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
+    for (int64_t h = first; h < last; ++h) {
+      const __m256 weight = _mm256_set1_ps(scores[(h - first) * row + t]);
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        float* acc = y + h * dim + d;
+        _mm256_storeu_ps(acc, _mm256_fmadd_ps(weight, load8(slot + h * dim + d), _mm256_loadu_ps(acc)));
+      }
+    }
+  }
+  for (int64_t h = first; h < last; ++h) {
+    const __m256 scale = _mm256_set1_ps(1.0f / scores[(h - first) * row + length + 1]);
+    for (int64_t d = 0; d < dim; d += kLanes)
+      _mm256_storeu_ps(y + h * dim + d, _mm256_mul_ps(_mm256_loadu_ps(y + h * dim + d), scale));
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
+            const at::Tensor& values, const at::Tensor& tables, const at::Tensor& cached, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), block_size = keys.size(1), width = tables.size(1);
+  // few sequences: each split into groups of heads, so that every thread has work
+  const int64_t groups = std::min(heads, (4 * at::get_num_threads() + batch - 1) / batch);
+  const int64_t per_group = (heads + groups - 1) / groups, row = width * block_size + kLanes;
+  const T* key_data = keys.const_data_ptr<T>();
+  const T* value_data = values.const_data_ptr<T>();
+  const int32_t* table_data = tables.const_data_ptr<int32_t>();
+  const int32_t* cached_data = cached.const_data_ptr<int32_t>();
+  float* out_data = out.mutable_data_ptr<float>();
+  at::parallel_for(0, batch * groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(per_group * row);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / groups, head = (task % groups) * per_group;
+      if (head >= heads) continue;
+      attend_heads<T>(b, head, std::min(heads, head + per_group), q, k, v, key_data, value_data,
+                      table_data + b * width, cached_data[b], block_size, scores.data(), row, out_data);
+    }
+  });
+}
+
+// q, k, v [B, H, D] fp32 (q scaled); keys, values one layer's pages [P, block_size, H, D]; tables [B, W] int32;
+// cached [B] int32: the tokens in the pages before each sequence's new one -> [B, H, D] fp32
+at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
+                                 const at::Tensor& values, const at::Tensor& tables, const at::Tensor& cached) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) % kLanes == 0,
+              "pool_decode_attention: q must be [B, H, D] float32 with D a multiple of 8");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "pool_decode_attention: k and v must be float32 like q");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type() &&
+                  keys.size(2) == q.size(1) && keys.size(3) == q.size(2),
+              "pool_decode_attention: keys and values must be [pages, block_size, H, D]");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kInt &&
+                  cached.dim() == 1 && cached.size(0) == q.size(0) && cached.scalar_type() == at::kInt,
+              "pool_decode_attention: tables must be [B, W] int32 and cached [B] int32");
+  const at::Tensor q_c = q.contiguous(), k_c = k.contiguous(), v_c = v.contiguous();
+  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous();
+  const at::Tensor tables_c = tables.contiguous(), cached_c = cached.contiguous();
+  const int64_t pages = keys.size(0), block_size = keys.size(1), width = tables.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read lies in the pool
+    const int64_t length = cached_c.const_data_ptr<int32_t>()[b];
+    TORCH_CHECK(length >= 0 && length <= width * block_size, "pool_decode_attention: sequence ", b, " caches ",
+                length, " tokens, its table holds ", width * block_size);
+    for (int64_t i = 0; i < (length + block_size - 1) / block_size; ++i) {
+      const int32_t page = tables_c.const_data_ptr<int32_t>()[b * width + i];
+      TORCH_CHECK(page >= 0 && page < pages, "pool_decode_attention: page ", page, " is not in the pool of ", pages);
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  switch (keys.scalar_type()) {
+    case at::kFloat: attend<float>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
+    case at::kHalf: attend<c10::Half>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
+    default: TORCH_CHECK(false, "pool_decode_attention: pages must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minigpt_cpu, m) {
+  m.def("pool_decode_attention(Tensor q, Tensor k, Tensor v, Tensor keys, Tensor values, Tensor tables, "
+        "Tensor cached) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(minigpt_cpu, CPU, m) { m.impl("pool_decode_attention", &pool_decode_attention); }
