@@ -2,9 +2,10 @@
 // values in pages and its own (not yet stored). Built by minigpt/compile/native.py; minigpt/compile/pool_attention.py
 // calls it; its torch reference is `PoolAttention` (minigpt/model/attention.py).
 //
-// A sequence's pages are read in order, each slot's heads side by side (a task: a sequence and a group of its
-// heads). Per head: its scores in slot order, their max, exp, then the values summed in slot order, fp32
-// throughout. No sum spans two heads, so a sequence's result is the same bits alone, in any batch, on any threads.
+// A task is 32 tokens of a sequence (a split), its pages read in order, each slot's heads side by side: per head the
+// scores' max, their exps' sum and the values they weight, in slot order; then each (sequence, head) merges its
+// own token and its splits in order, fp32 throughout. The splits follow positions, not the batch or the threads,
+// so a sequence's result is the same bits alone, in any batch, on any number of threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -16,13 +17,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = 8;  // floats in an AVX2 register
+constexpr int64_t kSplit = 32;  // tokens of a task: a sequence's splits follow its positions, whatever the batch
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {
@@ -46,74 +50,93 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   return lanes_sum(acc);
 }
 
-// the heads [first, last) of sequence b; scores: (last - first) rows of `row` floats
+// One split of sequence b, tokens [start, end) of its pages: per head the scores' max, the sum of their exps and
+// the values weighted by those exps; scores: [H, kSplit] of scratch.
 template <typename T>
-void attend_heads(int64_t b, int64_t first, int64_t last, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const T* key_data, const T* value_data, const int32_t* table, int64_t length,
-                  int64_t block_size, float* scores, int64_t row, float* out) {
-  const int64_t heads = q.size(1), dim = q.size(2), slot_stride = heads * dim, page_stride = block_size * slot_stride;
-  const float* query = q.const_data_ptr<float>() + b * slot_stride;
-  const float* own_k = k.const_data_ptr<float>() + b * slot_stride;
-  const float* own_v = v.const_data_ptr<float>() + b * slot_stride;
-  float* y = out + b * slot_stride;
-  for (int64_t t = 0; t < length; ++t) {  // a slot's heads side by side: the pages are read in order
+void attend_split(const float* query, const T* key_data, const T* value_data, const int32_t* table, int64_t start,
+                  int64_t end, int64_t heads, int64_t dim, int64_t block_size, float* scores, float* top_out,
+                  float* sum_out, float* acc) {
+  const int64_t slot_stride = heads * dim, page_stride = block_size * slot_stride, count = end - start;
+  for (int64_t t = start; t < end; ++t) {  // a slot's heads side by side: the pages are read in order
     const T* slot = key_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
-    for (int64_t h = first; h < last; ++h) scores[(h - first) * row + t] = dot(query + h * dim, slot + h * dim, dim);
+    for (int64_t h = 0; h < heads; ++h) scores[h * kSplit + t - start] = dot(query + h * dim, slot + h * dim, dim);
   }
-  for (int64_t h = first; h < last; ++h) {
-    float* score = scores + (h - first) * row;
-    score[length] = dot(query + h * dim, own_k + h * dim, dim);  // its own key last
-    float top = score[length];
-    for (int64_t t = 0; t < length; ++t) top = std::max(top, score[t]);
-    const int64_t count = length + 1;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* score = scores + h * kSplit;
+    float top = score[0];
+    for (int64_t i = 1; i < count; ++i) top = std::max(top, score[i]);
     Vec total(0.0f);
-    for (int64_t t = 0; t < count; t += kLanes) {
-      const int64_t lanes = std::min(kLanes, count - t);
-      const Vec weights = (Vec::loadu(score + t, lanes) - Vec(top)).exp();
-      weights.store(score + t, lanes);
+    for (int64_t i = 0; i < count; i += kLanes) {
+      const int64_t lanes = std::min(kLanes, count - i);
+      const Vec weights = (Vec::loadu(score + i, lanes) - Vec(top)).exp();
+      weights.store(score + i, lanes);
       total = total + Vec::set(Vec(0.0f), weights, lanes);
     }
-    score[count] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, total);
-    const __m256 own_weight = _mm256_set1_ps(score[length]);
-    for (int64_t d = 0; d < dim; d += kLanes)
-      _mm256_storeu_ps(y + h * dim + d, _mm256_mul_ps(own_weight, load8(own_v + h * dim + d)));
+    top_out[h] = top;
+    sum_out[h] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
   }
-  for (int64_t t = 0; t < length; ++t) {
+  std::fill(acc, acc + heads * dim, 0.0f);
+  for (int64_t t = start; t < end; ++t) {
     const T* slot = value_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
-    for (int64_t h = first; h < last; ++h) {
-      const __m256 weight = _mm256_set1_ps(scores[(h - first) * row + t]);
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m256 weight = _mm256_set1_ps(scores[h * kSplit + t - start]);
       for (int64_t d = 0; d < dim; d += kLanes) {
-        float* acc = y + h * dim + d;
-        _mm256_storeu_ps(acc, _mm256_fmadd_ps(weight, load8(slot + h * dim + d), _mm256_loadu_ps(acc)));
+        float* sum = acc + h * dim + d;
+        _mm256_storeu_ps(sum, _mm256_fmadd_ps(weight, load8(slot + h * dim + d), _mm256_loadu_ps(sum)));
       }
     }
-  }
-  for (int64_t h = first; h < last; ++h) {
-    const __m256 scale = _mm256_set1_ps(1.0f / scores[(h - first) * row + length + 1]);
-    for (int64_t d = 0; d < dim; d += kLanes)
-      _mm256_storeu_ps(y + h * dim + d, _mm256_mul_ps(_mm256_loadu_ps(y + h * dim + d), scale));
   }
 }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
             const at::Tensor& values, const at::Tensor& tables, const at::Tensor& cached, at::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), block_size = keys.size(1), width = tables.size(1);
-  // few sequences: each split into groups of heads, so that every thread has work
-  const int64_t groups = std::min(heads, (4 * at::get_num_threads() + batch - 1) / batch);
-  const int64_t per_group = (heads + groups - 1) / groups, row = width * block_size + kLanes;
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), block_size = keys.size(1);
+  const int64_t width = tables.size(1), splits = std::max<int64_t>(1, (width * block_size + kSplit - 1) / kSplit);
+  const float* q_data = q.const_data_ptr<float>();
+  const float* k_data = k.const_data_ptr<float>();
+  const float* v_data = v.const_data_ptr<float>();
   const T* key_data = keys.const_data_ptr<T>();
   const T* value_data = values.const_data_ptr<T>();
   const int32_t* table_data = tables.const_data_ptr<int32_t>();
   const int32_t* cached_data = cached.const_data_ptr<int32_t>();
   float* out_data = out.mutable_data_ptr<float>();
-  at::parallel_for(0, batch * groups, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(per_group * row);
+  // per (sequence, split, head): the max, the sum of exps, the weighted values [D]
+  std::unique_ptr<float[]> tops(new float[batch * splits * heads]), sums(new float[batch * splits * heads]);
+  std::unique_ptr<float[]> accs(new float[batch * splits * heads * dim]);
+  at::parallel_for(0, batch * splits, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(heads * kSplit);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / groups, head = (task % groups) * per_group;
-      if (head >= heads) continue;
-      attend_heads<T>(b, head, std::min(heads, head + per_group), q, k, v, key_data, value_data,
-                      table_data + b * width, cached_data[b], block_size, scores.data(), row, out_data);
+      const int64_t b = task / splits, start = (task % splits) * kSplit, end = std::min<int64_t>(cached_data[b], start + kSplit);
+      if (start >= end) continue;
+      attend_split<T>(q_data + b * heads * dim, key_data, value_data, table_data + b * width, start, end, heads, dim,
+                      block_size, scores.data(), tops.get() + task * heads, sums.get() + task * heads,
+                      accs.get() + task * heads * dim);
+    }
+  });
+  at::parallel_for(0, batch * heads, 16, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {  // its own token, then its splits in order
+      const int64_t b = task / heads, h = task % heads, used = (cached_data[b] + kSplit - 1) / kSplit;
+      const float* query = q_data + task * dim;
+      const float own = dot(query, k_data + task * dim, dim);
+      float top = own;
+      for (int64_t s = 0; s < used; ++s) top = std::max(top, tops[(b * splits + s) * heads + h]);
+      const float own_weight = std::exp(own - top);
+      float total = own_weight;
+      float* y = out_data + task * dim;
+      for (int64_t d = 0; d < dim; d += kLanes)
+        _mm256_storeu_ps(y + d, _mm256_mul_ps(_mm256_set1_ps(own_weight), load8(v_data + task * dim + d)));
+      for (int64_t s = 0; s < used; ++s) {
+        const int64_t part = (b * splits + s) * heads + h;
+        const float factor = std::exp(tops[part] - top);
+        total += factor * sums[part];
+        const __m256 scale = _mm256_set1_ps(factor);
+        for (int64_t d = 0; d < dim; d += kLanes)
+          _mm256_storeu_ps(y + d, _mm256_fmadd_ps(scale, _mm256_loadu_ps(accs.get() + part * dim + d),
+                                                  _mm256_loadu_ps(y + d)));
+      }
+      const __m256 scale = _mm256_set1_ps(1.0f / total);
+      for (int64_t d = 0; d < dim; d += kLanes) _mm256_storeu_ps(y + d, _mm256_mul_ps(_mm256_loadu_ps(y + d), scale));
     }
   });
 }

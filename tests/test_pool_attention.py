@@ -48,7 +48,7 @@ def step(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[0], [1], [3, 4, 5, 8], [17, 0, 31, 9, 16]])
+@pytest.mark.parametrize("lengths", [[0], [1], [3, 4, 5, 8], [17, 0, 31, 9, 16], [100, 33, 0, 65]])
 def test_the_kernel_is_pool_attention_to_fp32_rounding(dtype, lengths):
     kernel_or_skip()
     pool, tables, context_lens, scales, q, k, v = step(len(lengths), lengths, dtype)

@@ -1,7 +1,8 @@
 """The compiled decode's attention on x86 CPUs with AVX2: the kernel of kernels/pool_attention_avx2.cpp, which reads a
-sequence's pages in order, a slot's heads side by side, where inductor's code of `attend` walks them head by head
-(scripts/PERFORMANCE.md, "Decode attention"). Each (sequence, head) is summed in slot order in fp32 whatever the
-batch, so a sequence's bits are the same alone and in any batch, as with `attend`; the two differ in rounding.
+sequence's pages in order, a slot's heads side by side, in splits of 32 tokens, where inductor's code of `attend`
+walks them head by head (scripts/PERFORMANCE.md, "Decode attention"). The splits follow positions and merge in order
+in fp32 whatever the batch, so a sequence's bits are the same alone and in any batch, as with `attend`; the two
+differ in rounding.
 
 Used where `usable(pool)`; `MINIGPT_NATIVE_KERNELS=0` (`cpu_class.NATIVE_SWITCH`) turns it off (`attend` then)."""
 
