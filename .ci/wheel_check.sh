@@ -55,6 +55,17 @@ assert layer.few_rows, "the AVX2 int8 kernel did not build from the installed wh
 x = torch.randn(1, 64)
 assert torch.equal(layer(x), layer(torch.cat([x, torch.randn(7, 64)]))[:1])
 print("CI: the AVX2 int8 kernel builds from the wheel and gives fbgemm's bits")
+from minigpt.compile import pool_attention
+from minigpt.compile.pool_attention import NativePoolAttention
+from minigpt.model.attention import PoolAttention
+assert "site-packages" in str(pool_attention.SOURCE), pool_attention.SOURCE
+pool = torch.randn(1, 2, 8, 16, 4, 64).half()
+assert pool_attention.usable(pool), "the C++ decode attention did not build from the installed wheel"
+tables, lens, scales = torch.tensor([[3, 5], [1, 0]], dtype=torch.int32), torch.tensor([20, 9]), torch.tensor([0.125])
+q, k, v = (torch.randn(2, 4, 64) for _ in range(3))
+torch.testing.assert_close(NativePoolAttention(pool, tables, lens, scales)(0, q, k, v),
+                           PoolAttention(pool, tables, lens, scales)(0, q, k, v), rtol=1e-5, atol=1e-5)
+print("CI: the C++ decode attention builds from the wheel and attends as PoolAttention does")
 EOF
 fi
 minigpt --version

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
-#include <limits>
 #include <memory>
 #include <vector>
 
@@ -107,7 +106,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, batch * splits, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(heads * kSplit);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / splits, start = (task % splits) * kSplit, end = std::min<int64_t>(cached_data[b], start + kSplit);
+      const int64_t b = task / splits, start = (task % splits) * kSplit;
+      const int64_t end = std::min<int64_t>(cached_data[b], start + kSplit);
       if (start >= end) continue;
       attend_split<T>(q_data + b * heads * dim, key_data, value_data, table_data + b * width, start, end, heads, dim,
                       block_size, scores.data(), tops.get() + task * heads, sums.get() + task * heads,
