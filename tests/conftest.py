@@ -118,6 +118,16 @@ def compile_cache_dir(tmp_path_factory) -> Path:
         yield path
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """torch's thread count back as it was after each test: an engine left open with `num_threads` would change
+    it for the tests after, and the compiled steps' cache key with it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny"))

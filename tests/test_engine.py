@@ -368,6 +368,13 @@ def test_num_threads_is_restored_on_close(tiny_checkpoint):
     assert torch.get_num_threads() == before
 
 
+def test_num_threads_is_restored_when_the_engine_cannot_be_built(tmp_path):
+    before = torch.get_num_threads()
+    with pytest.raises(Exception):  # noqa: B017 - whichever error a missing checkpoint raises
+        LLM(str(tmp_path / "missing"), num_threads=before + 1)
+    assert torch.get_num_threads() == before
+
+
 def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
         with pytest.raises(TypeError, match="SamplingParams or a list of them, got dict"):

@@ -26,12 +26,16 @@ def build_engine(model: str, config: EngineConfig) -> Engine:
     threads_before = torch.get_num_threads()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)  # torch's setting: the whole process's
-    path = resolve_checkpoint(model)
-    check_complete(path)
-    if config.verify_weights:
-        verify_weights(path)
-    tokenizer = Tokenizer.from_dir(path)
-    runner = build_runner(path, config)
+    try:
+        path = resolve_checkpoint(model)
+        check_complete(path)
+        if config.verify_weights:
+            verify_weights(path)
+        tokenizer = Tokenizer.from_dir(path)
+        runner = build_runner(path, config)
+    except BaseException:
+        torch.set_num_threads(threads_before)  # no engine to give them back on close
+        raise
     engine = Engine(config, tokenizer, runner, eos_token_ids(path, runner.model.config), threads_before)
     unreachable = [i for i in engine.eos_token_ids if i >= engine.vocab_limit]
     if unreachable:
