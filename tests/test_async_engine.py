@@ -330,3 +330,15 @@ def test_is_running_follows_close(tiny_checkpoint):
     assert llm.is_running
     llm.close()
     assert not llm.is_running
+
+
+def test_num_threads_is_restored_in_the_caller_s_thread_on_close(tiny_checkpoint):
+    """The engine is built in the caller's thread and closed in its own; torch (OpenMP) keeps the thread count per
+    thread, so close gives it back in the caller's."""
+    import torch
+
+    before = torch.get_num_threads()
+    llm = AsyncLLM(str(tiny_checkpoint), kv_cache_tokens=256, num_threads=before + 1)
+    assert torch.get_num_threads() == before + 1
+    llm.close()
+    assert torch.get_num_threads() == before

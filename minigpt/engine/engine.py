@@ -182,5 +182,10 @@ class Engine:
         self.runner.close()
         if self.speculator is not None:
             self.speculator.close()
+        self.give_back_threads()
+
+    def give_back_threads(self) -> None:
+        """torch's thread count as it was before `num_threads`, in the calling thread (OpenMP keeps it per thread),
+        unless someone has set it since."""
         if self.config.num_threads is not None and torch.get_num_threads() == self.config.num_threads:
-            torch.set_num_threads(self._threads_before)  # unless someone has set it since
+            torch.set_num_threads(self._threads_before)

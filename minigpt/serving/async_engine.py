@@ -107,6 +107,7 @@ class AsyncLLM:
             self._closed = True
             self._wakeup.notify()
         self._thread.join()
+        self.engine.give_back_threads()  # set in this thread, where the engine was built
 
     def __enter__(self) -> AsyncLLM:
         return self
