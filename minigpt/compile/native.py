@@ -13,6 +13,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,14 +56,16 @@ def load_library(source: Path, flags: tuple[str, ...]) -> None:
     torch.ops.load_library(str(library))
 
 
-def loads(source: Path, flags: tuple[str, ...], instead: str) -> bool:
-    """`load_library`, False where it fails (no compiler, a failed build, a library that will not load) with a
-    warning saying what runs `instead`."""
+def loads(source: Path, flags: tuple[str, ...], instead: str, fakes: dict[str, Callable]) -> bool:
+    """`load_library`, then each op's fake (its output's shape, for compile) registered: False where the library
+    fails (no compiler, a failed build, a library that will not load) with a warning saying what runs `instead`."""
     try:
         load_library(source, flags)
     except Exception as err:
         logger.warning("the C++ kernel %s is not used (%s instead): %s", source.name, instead, error_line(err))
         return False
+    for op, fake in fakes.items():
+        torch.library.register_fake(op, fake)
     return True
 
 

@@ -16,7 +16,7 @@ import torch
 from minigpt import kernels
 from minigpt.common.cpu_class import native_kernels_on, usable_flags
 from minigpt.compile.native import loads
-from minigpt.model.attention import Attention
+from minigpt.model.attention import PoolAttention
 
 SOURCE = Path(kernels.__file__).parent / "pool_attention_avx2.cpp"
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")
@@ -40,10 +40,8 @@ def usable(pool: torch.Tensor) -> bool:
 
 @functools.cache
 def loaded() -> bool:
-    if not loads(SOURCE, FLAGS, "inductor's code of the decode attention"):
-        return False
-    torch.library.register_fake("minigpt_cpu::pool_decode_attention", _decode_shape)
-    return True
+    return loads(SOURCE, FLAGS, "inductor's code of the decode attention",
+                 {"minigpt_cpu::pool_decode_attention": _decode_shape})
 
 
 def decode(
@@ -66,17 +64,14 @@ def _decode_shape(q, k, v, keys, values, tables, cached) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-class NativePoolAttention(Attention):
-    """`PoolAttention` through the kernel: one new token per sequence over its pages and its own K/V."""
+class NativePoolAttention(PoolAttention):
+    """`PoolAttention` with its pages attended through the kernel."""
 
     def __init__(
         self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scales: torch.Tensor
     ) -> None:
-        self.kv_pool, self.scales = kv_pool, scales
+        self.kv_pool, self.scales = kv_pool, scales  # the kernel's own inputs instead of PoolAttention's
         self.tables, self.cached = block_tables.int(), (context_lens - 1).int()
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dtype, pool = q.dtype, self.kv_pool[layer]
-        q, k, v = q.float() * self.scales[layer], k.to(pool.dtype).float(), v.to(pool.dtype).float()
-        y = decode(q, k, v, pool[0], pool[1], self.tables, self.cached)
-        return y.to(dtype).reshape(q.shape[0], -1)
+    def over_pages(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return decode(q, k, v, pool[0], pool[1], self.tables, self.cached)

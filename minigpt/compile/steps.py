@@ -19,7 +19,6 @@ from torch.export import Dim
 from minigpt.common.errors import error_line
 from minigpt.compile import pool_attention
 from minigpt.compile.cache import ProgramCache, ProgramSpec, build_environment
-from minigpt.compile.pool_attention import NativePoolAttention
 from minigpt.compile.torch_compat import missing_internals
 from minigpt.engine.kv_cache import KVPool
 from minigpt.model.attention import (
@@ -59,7 +58,7 @@ def decode_layer(
 def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_layer` through the C++ decode attention, where `pool_attention.usable`."""
-    return decode_layer(block, x, pool, block_tables, context_lens, scale, NativePoolAttention)
+    return decode_layer(block, x, pool, block_tables, context_lens, scale, pool_attention.NativePoolAttention)
 
 
 class PoolDecode(Attention):

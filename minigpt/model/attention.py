@@ -149,8 +149,12 @@ class PoolAttention(Attention):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dtype, pool = q.dtype, self.kv_pool[layer]
         q, k, v = q.float() * self.scales[layer], k.to(pool.dtype).float(), v.to(pool.dtype).float()
-        y = attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
-        return y.to(dtype).reshape(q.shape[0], -1)
+        return self.over_pages(pool, q, k, v).to(dtype).reshape(q.shape[0], -1)
+
+    def over_pages(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scaled fp32 queries q [B, H, D] and their own k, v (as the pool keeps them, in fp32) over this layer's
+        `pool` [2, pages, block_size, H, D] -> [B, H, D] fp32."""
+        return attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
 
 
 def prefill_attention(

@@ -34,10 +34,7 @@ def usable(in_features: int) -> bool:
 def loaded() -> bool:
     from minigpt.compile.native import loads
 
-    if not loads(SOURCE, FLAGS, "fbgemm for every row"):
-        return False
-    torch.library.register_fake("minigpt_cpu::int8_rows_mm", _rows_mm_shape)
-    return True
+    return loads(SOURCE, FLAGS, "fbgemm for every row", {"minigpt_cpu::int8_rows_mm": _rows_mm_shape})
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
