@@ -82,6 +82,43 @@ def test_w8a8_takes_the_kernel_for_a_few_rows_and_fbgemm_beyond(monkeypatch):
     assert not W8A8Linear(linear).few_rows
 
 
+def test_w8a8_takes_the_kernel_for_a_few_rows_where_int_mm_takes_the_batch(monkeypatch):
+    """Where fbgemm is not used (the AVX-512 class), a few rows go through the kernel too, and give the bits
+    `torch._int_mm` gives them in a batch (full 8-bit activations: the kernel's -127..127)."""
+    kernel_or_skip()
+    monkeypatch.setattr(fbgemm_int8, "available", lambda device: False)
+    torch.manual_seed(0)
+    layer = W8A8Linear(torch.nn.Linear(96, 200))
+    assert layer.few_rows and not layer.fbgemm and layer.levels == 127
+    calls = []
+    rows_mm = int8_rows.rows_mm
+    monkeypatch.setattr(int8_rows, "rows_mm", lambda *args: calls.append(args) or rows_mm(*args))
+    x = torch.randn(8, 96)
+    batched = layer(x)
+    assert not calls
+    for i in range(8):
+        assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1])
+    assert len(calls) == 8
+
+
+def test_rows_mm_bits_do_not_depend_on_the_threads():
+    """Each thread reads two streams of its outputs' blocks (an odd block left alone): on 1, 2 or 3 threads the
+    same products."""
+    kernel_or_skip()
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(-127, 128, (4 * 37 + 3, 256), dtype=torch.int8, generator=generator)
+    x = torch.randint(-127, 128, (3, 256), dtype=torch.int8, generator=generator)
+    packed = int8_rows.pack(weight)
+    want = int8_rows.reference(x, packed, len(weight))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(int8_rows.rows_mm(x, packed, len(weight)), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
 def test_fbgemm_s_op_sends_a_few_rows_through_the_kernel_given_its_packing(monkeypatch):
     """A program of any batch calls fbgemm's op: with the kernel's packing, a few rows go through the kernel

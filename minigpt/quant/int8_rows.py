@@ -1,10 +1,11 @@
-"""int8 products of a few rows on x86 CPUs whose torch kernels are AVX2 ones: the kernel of
-kernels/int8_rows_avx2.cpp, over a weight packed 4 outputs x 32 inputs a block so that a product reads it in one
-stream, where fbgemm's products of one row stream it slower (scripts/PERFORMANCE.md, "The AVX2 int8 kernel"). The
-kernel's products are exact integers, fbgemm's too: the same bits whichever of them a row goes through.
+"""int8 products of a few rows on x86 CPUs with AVX2: the kernel of kernels/int8_rows_avx2.cpp, over a weight
+packed 4 outputs x 32 inputs a block so that a product reads it in order, two streams a thread, where fbgemm's
+products of one row (AVX2 class) and oneDNN's or inductor's (AVX-512 class) read it slower (scripts/PERFORMANCE.md,
+"The AVX2 int8 kernel"). The kernel's products are exact integers, theirs too: the same bits whichever of them a row
+goes through.
 
-Used where `usable(in_features)`; `MINIGPT_NATIVE_KERNELS=0` (`cpu_class.NATIVE_SWITCH`) turns it off (fbgemm then
-takes every row)."""
+Used where `usable(in_features)`, at every x86 class with AVX2; `MINIGPT_NATIVE_KERNELS=0`
+(`cpu_class.NATIVE_SWITCH`) turns it off (fbgemm's, oneDNN's or inductor's products then take every row)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,9 @@ FLAGS = ("-mavx2", "-mfma")
 
 
 def usable(in_features: int) -> bool:
-    """The kernel runs here, for a weight of `in_features` inputs: torch's kernels are AVX2 ones, the CPU has
-    AVX2, the switch is not off, and the library built and loaded (once a process)."""
-    return (in_features % INPUTS == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2"
-            and "avx2" in (usable_flags() or ()) and native_kernels_on() and loaded())
+    """The kernel runs here, for a weight of `in_features` inputs: the CPU has AVX2 (whatever class torch's
+    kernels are), the switch is not off, and the library built and loaded (once a process)."""
+    return (in_features % INPUTS == 0 and "avx2" in (usable_flags() or ()) and native_kernels_on() and loaded())
 
 
 @functools.cache

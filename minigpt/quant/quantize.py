@@ -1,7 +1,7 @@
 """int8 linears replacing every nn.Linear: `int8` (weight-only, per-channel absmax / 127, gpt-fast's recipe) and
 `w8a8` (each activation row also rounded to int8 with its own scale: exact integer products, per row so a request
-does not depend on its batch), through `torch._int_mm`, or on AVX2-only CPUs fbgemm (`fbgemm_int8`) and for a few
-rows a kernel of our own (`int8_rows`)."""
+does not depend on its batch), through `torch._int_mm`, or on AVX2-only CPUs fbgemm (`fbgemm_int8`); a few rows
+through a kernel of our own on any CPU with AVX2 (`int8_rows`)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ class W8A8Linear(Int8Linear):
                                and not self.fbgemm)
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
-        few_rows = self.fbgemm and int8_rows.usable(self.in_features)
+        # a second copy of the weight, in the kernel's packing: a row is read faster from it at every class
+        few_rows = self.weight.device.type == "cpu" and int8_rows.usable(self.in_features)
         self.register_buffer("packed", int8_rows.pack(self.weight) if few_rows else None, persistent=False)
 
     @property
