@@ -8,6 +8,7 @@
 // 2 * 127 * 127 (no 16-bit saturation), so every int8 activation is exact, -128 excepted.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -51,10 +52,10 @@ inline void block_outputs(const int8_t* row, const int8_t* const* weights, int64
     for (int64_t j = 0; j < kOutputs; ++j) sums[s][j] = lanes_sum(acc[s][j]);
 }
 
-// rows x [m, k] times the packed block rows `groups` (kStreams of them) into out [m, n]
-template <int kStreams>
+// rows x [m, k] times the packed block rows `groups` (kStreams of them) into out [m, n] (float or int32)
+template <int kStreams, typename Out>
 inline void groups_outputs(const int8_t* x, int64_t m, int64_t k, const int8_t* weight, const int64_t* groups,
-                           int64_t n, float* out) {
+                           int64_t n, Out* out) {
   const int64_t pieces = k / kInputs;
   const int8_t* weights[kStreams];
   for (int s = 0; s < kStreams; ++s) weights[s] = weight + groups[s] * pieces * kOutputs * kInputs;
@@ -63,12 +64,13 @@ inline void groups_outputs(const int8_t* x, int64_t m, int64_t k, const int8_t* 
     block_outputs<kStreams>(x + r * k, weights, pieces, sums);
     for (int s = 0; s < kStreams; ++s) {
       const int64_t outputs = std::min(kOutputs, n - groups[s] * kOutputs);
-      for (int64_t j = 0; j < outputs; ++j) out[r * n + groups[s] * kOutputs + j] = static_cast<float>(sums[s][j]);
+      for (int64_t j = 0; j < outputs; ++j) out[r * n + groups[s] * kOutputs + j] = static_cast<Out>(sums[s][j]);
     }
   }
 }
 
-at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+// x [M, K] int8 times the packed weight of n outputs -> [M, n] of `dtype` (float or int32), exact integers
+at::Tensor products(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::ScalarType dtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar, "int8_rows_mm: x must be [rows, K] int8");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kOutputs &&
                   packed.size(3) == kInputs, "int8_rows_mm: packed must be int8 [ceil(N / 4), K / 32, 4, 32]");
@@ -79,25 +81,46 @@ at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const at::Tensor rows = x.contiguous();
   const at::Tensor weight = packed.contiguous();
   const int64_t m = rows.size(0), k = rows.size(1);
-  at::Tensor out = at::empty({m, n}, rows.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({m, n}, rows.options().dtype(dtype));
   const int8_t* row_data = rows.const_data_ptr<int8_t>();
   const int8_t* weight_data = weight.const_data_ptr<int8_t>();
-  float* out_data = out.mutable_data_ptr<float>();
-  at::parallel_for(0, weight.size(0), kGrain, [&](int64_t first, int64_t last) {
-    const int64_t half = (last - first) / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t groups[2] = {first + i, first + half + i};
-      groups_outputs<2>(row_data, m, k, weight_data, groups, n, out_data);
-    }
-    if ((last - first) % 2) {  // the odd group left over, alone
-      const int64_t group = last - 1;
-      groups_outputs<1>(row_data, m, k, weight_data, &group, n, out_data);
-    }
-  });
+  auto fill = [&](auto* out_data) {
+    at::parallel_for(0, weight.size(0), kGrain, [&](int64_t first, int64_t last) {
+      const int64_t half = (last - first) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t groups[2] = {first + i, first + half + i};
+        groups_outputs<2>(row_data, m, k, weight_data, groups, n, out_data);
+      }
+      if ((last - first) % 2) {  // the odd group left over, alone
+        const int64_t group = last - 1;
+        groups_outputs<1>(row_data, m, k, weight_data, &group, n, out_data);
+      }
+    });
+  };
+  if (dtype == at::kInt) fill(out.mutable_data_ptr<int32_t>());
+  else fill(out.mutable_data_ptr<float>());
   return out;
+}
+
+at::Tensor int8_rows_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return products(x, packed, n, at::kFloat);
+}
+
+// up to max_rows rows of x [M, K] through the kernel over `packed`, more through torch's _int_mm over the plain
+// weight [N, K]: the same int32 products, decided per call (in a compiled program of any batch)
+at::Tensor int8_rows_or_int_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                               int64_t max_rows) {
+  if (x.size(0) <= max_rows) return products(x, packed, weight.size(0), at::kInt);
+  return at::_int_mm(x, weight.t());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(minigpt_cpu, m) { m.def("int8_rows_mm(Tensor x, Tensor packed, int n) -> Tensor"); }
-TORCH_LIBRARY_IMPL(minigpt_cpu, CPU, m) { m.impl("int8_rows_mm", &int8_rows_mm); }
+TORCH_LIBRARY_FRAGMENT(minigpt_cpu, m) {
+  m.def("int8_rows_mm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("int8_rows_or_int_mm(Tensor x, Tensor weight, Tensor packed, int max_rows) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(minigpt_cpu, CPU, m) {
+  m.impl("int8_rows_mm", &int8_rows_mm);
+  m.impl("int8_rows_or_int_mm", &int8_rows_or_int_mm);
+}

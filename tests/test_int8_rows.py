@@ -83,22 +83,34 @@ def test_w8a8_takes_the_kernel_for_a_few_rows_and_fbgemm_beyond(monkeypatch):
 
 
 def test_w8a8_takes_the_kernel_for_a_few_rows_where_int_mm_takes_the_batch(monkeypatch):
-    """Where fbgemm is not used (the AVX-512 class), a few rows go through the kernel too, and give the bits
-    `torch._int_mm` gives them in a batch (full 8-bit activations: the kernel's -127..127)."""
+    """Where fbgemm is not used (the AVX-512 class), every batch goes through the op that sends up to
+    `INT_MM_ROWS` rows through the kernel and more through `torch._int_mm` (up to `ROWS` the kernel directly): the
+    same bits whatever the batch (full 8-bit activations)."""
     kernel_or_skip()
     monkeypatch.setattr(fbgemm_int8, "available", lambda device: False)
     torch.manual_seed(0)
     layer = W8A8Linear(torch.nn.Linear(96, 200))
     assert layer.few_rows and not layer.fbgemm and layer.levels == 127
     calls = []
-    rows_mm = int8_rows.rows_mm
-    monkeypatch.setattr(int8_rows, "rows_mm", lambda *args: calls.append(args) or rows_mm(*args))
-    x = torch.randn(8, 96)
+    routed = int8_rows.rows_or_int_mm
+    monkeypatch.setattr(int8_rows, "rows_or_int_mm", lambda *args: calls.append(len(args[0])) or routed(*args))
+    x = torch.randn(12, 96)
     batched = layer(x)
-    assert not calls
-    for i in range(8):
-        assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1])
-    assert len(calls) == 8
+    for rows in range(1, 12):
+        assert torch.equal(layer(x[:rows]), batched[:rows])
+    assert calls == [12, *range(int8_rows.ROWS + 1, 12)]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, int8_rows.INT_MM_ROWS, int8_rows.INT_MM_ROWS + 1, 40])
+def test_rows_or_int_mm_gives_the_exact_integer_products(rows):
+    kernel_or_skip()
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-127, 128, (4 * 9 + 1, 96), dtype=torch.int8, generator=generator)
+    x = torch.randint(-127, 128, (rows, 96), dtype=torch.int8, generator=generator)
+    packed = int8_rows.pack(weight)
+    got = int8_rows.rows_or_int_mm(x, weight, packed)
+    assert got.dtype == torch.int32  # as torch._int_mm gives them
+    assert torch.equal(got.float(), int8_rows.reference(x, packed, len(weight)))
 
 
 def test_rows_mm_bits_do_not_depend_on_the_threads():

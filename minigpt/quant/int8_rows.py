@@ -19,6 +19,7 @@ from minigpt import kernels
 from minigpt.common.cpu_class import native_kernels_on, usable_flags
 
 ROWS = 3  # rows up to which the kernel beats fbgemm's product
+INT_MM_ROWS = 8  # rows up to which it beats oneDNN's `torch._int_mm` (the AVX-512 class)
 OUTPUTS, INPUTS = 4, 32  # a packed block (as in the kernel)
 SOURCE = Path(kernels.__file__).parent / "int8_rows_avx2.cpp"
 FLAGS = ("-mavx2", "-mfma")
@@ -34,7 +35,8 @@ def usable(in_features: int) -> bool:
 def loaded() -> bool:
     from minigpt.compile.native import loads
 
-    return loads(SOURCE, FLAGS, "fbgemm for every row", {"minigpt_cpu::int8_rows_mm": _rows_mm_shape})
+    return loads(SOURCE, FLAGS, "fbgemm or _int_mm for every row", {"minigpt_cpu::int8_rows_mm": _rows_mm_shape,
+                 "minigpt_cpu::int8_rows_or_int_mm": _rows_or_int_mm_shape})
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -46,9 +48,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def rows_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] int8, `packed` = pack(weight [n, K]) -> x @ weight^T [M, n], exact integers in fp32."""
+    return _kernel_ops().int8_rows_mm(x, packed, n)
+
+
+def rows_or_int_mm(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] int8, weight [N, K] int8 and its `pack` -> x @ weight^T [M, N] int32 (as `torch._int_mm`): up to
+    `INT_MM_ROWS` rows through the kernel, more through `torch._int_mm`, decided per call."""
+    return _kernel_ops().int8_rows_or_int_mm(x, weight, packed, INT_MM_ROWS)
+
+
+def _kernel_ops():
     if not loaded():  # loaded where `usable` was asked; a compile worker loads it here
         raise RuntimeError("the AVX2 int8 kernel could not be loaded in this process")
-    return torch.ops.minigpt_cpu.int8_rows_mm(x, packed, n)
+    return torch.ops.minigpt_cpu
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -58,3 +70,7 @@ def reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def _rows_mm_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+
+def _rows_or_int_mm_shape(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, max_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.int32)

@@ -74,6 +74,8 @@ class W8A8Linear(Int8Linear):
             products = int8_rows.rows_mm(quantized.to(torch.int8), self.packed, self.out_features)
         elif self.fbgemm:
             products = fbgemm_int8.int8_mm(quantized, self.weight, self.packed)
+        elif self.few_rows:
+            products = int8_rows.rows_or_int_mm(quantized.to(torch.int8), self.weight, self.packed).float()
         elif self.reduce_one_row and torch.compiler.is_compiling() and statically_known_true(flat.shape[0] == 1):
             products = one_row_products(quantized, self.weight)
         else:
