@@ -1,4 +1,5 @@
-// int8 products of a few rows on x86 CPUs with AVX2: out[r, o] = sum_i x[r, i] * w[o, i], exact integers as fp32.
+// int8 products of a few rows on x86 CPUs with AVX2: out[r, o] = sum_i x[r, i] * w[o, i], exact integers as fp32
+// (int8_rows_mm), or as int32 where more rows go to torch's _int_mm instead (int8_rows_or_int_mm).
 // Built by minigpt/compile/native.py; minigpt/quant/int8_rows.py packs the weight, calls it and holds its torch reference.
 //
 // The weight is packed [ceil(N / 4), K / 32, 4, 32]: the 32 inputs of 4 outputs side by side, so 4 outputs read
