@@ -29,7 +29,7 @@ from minigpt.serving.async_engine import AsyncLLM
 
 APP, ENGINE = "minigpt", "minigpt-engine"
 REPLICA_HEADER = b"x-minigpt-replica"
-START_TRIES = 3  # a request no replica has begun to answer is sent again when its replica dies first
+START_TRIES = 3  # a request whose replica dies before its answer's first body is sent again
 LOST = (RayActorError, ActorUnavailableError)
 
 
@@ -135,14 +135,19 @@ class Front:
         for _ in range(START_TRIES):
             messages = self.engine.http.remote(forwarded)
             try:
-                start = await messages.__anext__()
+                start, first = await _begun(messages)
                 break
             except LOST as err:
                 error = err
         else:
             return APIError(503, f"no engine replica could answer: {error}", "server_error").response()
+        if not first.get("more_body", False):  # the whole answer is here: nothing left for a dying replica to cut
+            response = Response(first.get("body", b""), status_code=start["status"])
+            response.raw_headers = list(start.get("headers", []))
+            return response
 
         async def body_chunks() -> AsyncIterator[bytes]:
+            yield first.get("body", b"")
             async for message in messages:
                 if message.get("body"):
                     yield message["body"]
@@ -150,6 +155,16 @@ class Front:
         response = StreamingResponse(body_chunks(), status_code=start["status"])
         response.raw_headers = list(start.get("headers", []))
         return response
+
+
+async def _begun(messages) -> tuple[dict, dict]:
+    """An answer's start and its first body message: until both are here, a replica's death leaves it to retry."""
+    start = await messages.__anext__()
+    try:
+        first = await messages.__anext__()
+    except StopAsyncIteration:
+        first = {"type": "http.response.body", "body": b"", "more_body": False}
+    return start, first
 
 
 def deploy(args: argparse.Namespace, engine_args: dict, model_name: str, api_key: str | None) -> None:
