@@ -295,7 +295,7 @@ def test_tiny_temperatures_are_greedy(temperature):
 
 
 @pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1000, 50257])
-def test_blocked_argmax_is_torchs_argmax(vocab):
+def test_argmax_is_torchs_argmax_in_blocks_and_one_row_alone(vocab):
     torch.manual_seed(vocab)
     x = torch.randn(7, vocab)
     x[1] = x[1].round()  # many ties: the first maximum wins
@@ -305,6 +305,8 @@ def test_blocked_argmax_is_torchs_argmax(vocab):
     x[5] = 0.0
     assert torch.equal(argmax(x), x.argmax(-1))
     assert torch.equal(argmax(x[:0]), x[:0].argmax(-1))
+    for row in x.split(1):  # one row goes through `max`
+        assert torch.equal(argmax(row), row.argmax(-1))
 
 
 def test_greedy_takes_the_argmax_of_penalised_logits():
