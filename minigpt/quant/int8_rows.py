@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from minigpt import kernels
 from minigpt.common.cpu_class import native_kernels_on, usable_flags
 
-ROWS = 3  # rows up to which the kernel beats fbgemm's product
+ROWS = 4  # rows up to which the kernel beats fbgemm's product
 INT_MM_ROWS = 8  # rows up to which it beats oneDNN's `torch._int_mm` (the AVX-512 class)
 OUTPUTS, INPUTS = 4, 32  # a packed block (as in the kernel)
 SOURCE = Path(kernels.__file__).parent / "int8_rows_avx2.cpp"
