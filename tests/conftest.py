@@ -16,11 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from minigpt.replicas.cluster import prepare_local_cluster
 from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+prepare_local_cluster()  # before any test module imports ray: a local cluster listens on 127.0.0.1 only
 
 TINY = dict(n_layer=2, n_head=4, n_embd=64, n_positions=128)
 # With the `cuda` marker: what scripts/gpu_check.py runs on a GPU, skipped without one

@@ -25,12 +25,11 @@ from minigpt import AsyncLLM
 from minigpt.batch import main
 from minigpt.cli import engine_args_from
 from minigpt.replicas.batch import ACTOR_NAME
-from minigpt.replicas.cluster import LOCAL, LOOPBACK_ONLY
+from minigpt.replicas.cluster import LOCAL
 from minigpt.serve import build_parser as serve_parser
 from minigpt.server.app import build_app
 from minigpt.server.chat_template import ChatTemplate
 
-os.environ.update(LOOPBACK_ONLY)  # before ray is imported: it reads them then
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
