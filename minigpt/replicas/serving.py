@@ -141,10 +141,6 @@ class Front:
                 error = err
         else:
             return APIError(503, f"no engine replica could answer: {error}", "server_error").response()
-        if not first.get("more_body", False):  # the whole answer is here: nothing left for a dying replica to cut
-            response = Response(first.get("body", b""), status_code=start["status"])
-            response.raw_headers = list(start.get("headers", []))
-            return response
 
         async def body_chunks() -> AsyncIterator[bytes]:
             yield first.get("body", b"")
@@ -152,7 +148,10 @@ class Front:
                 if message.get("body"):
                     yield message["body"]
 
-        response = StreamingResponse(body_chunks(), status_code=start["status"])
+        if first.get("more_body", False):
+            response = StreamingResponse(body_chunks(), status_code=start["status"])
+        else:  # the whole answer is here: nothing left for a dying replica to cut
+            response = Response(first.get("body", b""), status_code=start["status"])
         response.raw_headers = list(start.get("headers", []))
         return response
 
