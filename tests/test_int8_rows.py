@@ -113,22 +113,34 @@ def test_rows_or_int_mm_gives_the_exact_integer_products(rows):
     assert torch.equal(got.float(), int8_rows.reference(x, packed, len(weight)))
 
 
-def test_rows_mm_bits_do_not_depend_on_the_threads():
-    """Each thread reads two streams of its outputs' blocks (an odd block left alone): on 1, 2 or 3 threads the
-    same products."""
+def test_rows_mm_bits_do_not_depend_on_the_threads_or_the_streams():
+    """Each thread reads 2 or 4 streams of its outputs' blocks (the blocks left over alone): on 1, 2 or 3 threads,
+    with either count, the same products."""
     kernel_or_skip()
     generator = torch.Generator().manual_seed(3)
     weight = torch.randint(-127, 128, (4 * 37 + 3, 256), dtype=torch.int8, generator=generator)
     x = torch.randint(-127, 128, (3, 256), dtype=torch.int8, generator=generator)
     packed = int8_rows.pack(weight)
     want = int8_rows.reference(x, packed, len(weight))
-    threads = torch.get_num_threads()
+    threads, setting = torch.get_num_threads(), int8_rows.tuned()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            assert torch.equal(int8_rows.rows_mm(x, packed, len(weight)), want)
+            for streams in int8_rows.STREAMS:
+                int8_rows.configure(streams)
+                assert torch.equal(int8_rows.rows_mm(x, packed, len(weight)), want)
     finally:
         torch.set_num_threads(threads)
+        int8_rows.configure(setting)
+
+
+def test_the_streams_are_timed_once_and_a_count_the_kernel_lacks_refused():
+    kernel_or_skip()
+    assert int8_rows.tune(rounds=1) in int8_rows.STREAMS
+    assert int8_rows.tuned() in int8_rows.STREAMS
+    assert int8_rows.tuned.cache_info().misses == 1
+    with pytest.raises(RuntimeError, match="streams must be 2 or 4"):
+        int8_rows.configure(3)
 
 
 @pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")
