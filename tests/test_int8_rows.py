@@ -136,11 +136,15 @@ def test_rows_mm_bits_do_not_depend_on_the_threads_or_the_streams():
 
 def test_the_streams_are_timed_once_and_a_count_the_kernel_lacks_refused():
     kernel_or_skip()
-    assert int8_rows.tune(rounds=1) in int8_rows.STREAMS
-    assert int8_rows.tuned() in int8_rows.STREAMS
-    assert int8_rows.tuned.cache_info().misses == 1
-    with pytest.raises(RuntimeError, match="streams must be 2 or 4"):
-        int8_rows.configure(3)
+    setting = int8_rows.tuned()
+    try:
+        assert setting in int8_rows.STREAMS
+        assert int8_rows.tuned.cache_info().misses == 1
+        assert int8_rows.tune(rounds=1) in int8_rows.STREAMS
+        with pytest.raises(RuntimeError, match="streams must be 2 or 4"):
+            int8_rows.configure(3)
+    finally:
+        int8_rows.configure(setting)
 
 
 @pytest.mark.skipif(not fbgemm_int8.built_in(), reason="torch without fbgemm's quantized ops")

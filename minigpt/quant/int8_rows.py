@@ -52,31 +52,30 @@ def loaded() -> bool:
 
 @functools.cache
 def tuned() -> int:
-    """The faster of `STREAMS` on this machine, set in the kernel: once a process, where it is first used."""
+    """`tune` once a process, where the kernel is first used: the streams it set."""
     streams = tune()
-    configure(streams)
     logger.info("int8 kernel: %d streams a thread", streams)
     return streams
 
 
 def tune(rounds: int = TIMED_ROUNDS) -> int:
     """Time one row's products over `TIMED_WEIGHTS` weights of gpt2's MLP shape with each of `STREAMS`,
-    alternated over `rounds`: the one of least median time. The settings differ in speed only, never in bits."""
+    alternated over `rounds`; set the kernel to the one of least median time and return it. The settings differ
+    in speed only, never in bits."""
     weights = [torch.ones(TIMED_OUTPUTS // OUTPUTS, TIMED_INPUTS // INPUTS, OUTPUTS, INPUTS, dtype=torch.int8)
                for _ in range(TIMED_WEIGHTS)]  # packed as `pack` packs: the values do not change the time
     x = torch.ones(1, TIMED_INPUTS, dtype=torch.int8)
     times: dict[int, list[float]] = {streams: [] for streams in STREAMS}
-    try:
-        for _ in range(rounds):
-            for streams in STREAMS:
-                configure(streams)
-                start = time.perf_counter()
-                for weight in weights:
-                    rows_mm(x, weight, TIMED_OUTPUTS)
-                times[streams].append(time.perf_counter() - start)
-    finally:
-        configure(STREAMS[0])
-    return min(STREAMS, key=lambda streams: statistics.median(times[streams]))
+    for _ in range(rounds):
+        for streams in STREAMS:
+            configure(streams)
+            start = time.perf_counter()
+            for weight in weights:
+                rows_mm(x, weight, TIMED_OUTPUTS)
+            times[streams].append(time.perf_counter() - start)
+    fastest = min(STREAMS, key=lambda streams: statistics.median(times[streams]))
+    configure(fastest)
+    return fastest
 
 
 def configure(streams: int) -> None:
