@@ -1,6 +1,8 @@
 // Decode attention over a paged KV pool on x86 CPUs with AVX2: one new token per sequence over its cached keys and
-// values in pages and its own (not yet stored). Built by minigpt/compile/native.py; minigpt/compile/pool_attention.py
-// calls it; its torch reference is `PoolAttention` (minigpt/model/attention.py).
+// values in pages and its own, which it then stores in its slot (the pool is the op's one mutated input: a compiled
+// program passes its own, where an eager store after each program would be one more op a layer). Built by
+// minigpt/compile/native.py; minigpt/compile/pool_attention.py calls it; its torch reference is `PoolAttention`
+// (minigpt/model/attention.py) and an `index_copy_` of the new K/V.
 //
 // A task is 32 tokens of a sequence (a split), its pages read in order, each slot's heads side by side: per head the
 // scores' max, their exps' sum and the values they weight, in slot order; then each (sequence, head) merges its
@@ -87,6 +89,28 @@ void attend_split(const float* query, const T* key_data, const T* value_data, co
   }
 }
 
+// each sequence's own k and v [B, H, D] into its slot, position cached[b] of its pages (after `attend`, which
+// reads none past cached[b]), converted as `Tensor.to` would: they are already values of the pool's dtype
+template <typename T>
+void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& tables,
+           const at::Tensor& cached) {
+  const int64_t batch = k.size(0), slot = k.size(1) * k.size(2), block_size = keys.size(1), width = tables.size(1);
+  const int32_t* table_data = tables.const_data_ptr<int32_t>();
+  const int32_t* cached_data = cached.const_data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t position = cached_data[b];
+    const int64_t offset = (table_data[b * width + position / block_size] * block_size + position % block_size) * slot;
+    const float* k_row = k.const_data_ptr<float>() + b * slot;
+    const float* v_row = v.const_data_ptr<float>() + b * slot;
+    T* key = keys.mutable_data_ptr<T>() + offset;
+    T* value = values.mutable_data_ptr<T>() + offset;
+    for (int64_t i = 0; i < slot; ++i) {
+      key[i] = static_cast<T>(k_row[i]);
+      value[i] = static_cast<T>(v_row[i]);
+    }
+  }
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
             const at::Tensor& values, const at::Tensor& tables, const at::Tensor& cached, at::Tensor& out) {
@@ -141,38 +165,48 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
-// q, k, v [B, H, D] fp32 (q scaled); keys, values one layer's pages [P, block_size, H, D]; tables [B, W] int32;
-// cached [B] int32: the tokens in the pages before each sequence's new one -> [B, H, D] fp32
-at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
-                                 const at::Tensor& values, const at::Tensor& tables, const at::Tensor& cached) {
+// q, k, v [B, H, D] fp32 (q scaled; k, v values of the pool's dtype); pool one layer's keys and values
+// [2, P, block_size, H, D]; tables [B, W] int32; cached [B] int32: the tokens in the pages before each sequence's new
+// one -> [B, H, D] fp32, and k, v stored at position cached[b] of each sequence's pages
+at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& pool,
+                                 const at::Tensor& tables, const at::Tensor& cached) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) % kLanes == 0,
               "pool_decode_attention: q must be [B, H, D] float32 with D a multiple of 8");
   TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes() && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "pool_decode_attention: k and v must be float32 like q");
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type() &&
-                  keys.size(2) == q.size(1) && keys.size(3) == q.size(2),
-              "pool_decode_attention: keys and values must be [pages, block_size, H, D]");
+  TORCH_CHECK(pool.dim() == 5 && pool.size(0) == 2 && pool.size(3) == q.size(1) && pool.size(4) == q.size(2) &&
+                  pool.is_contiguous(),
+              "pool_decode_attention: pool must be one layer's contiguous keys and values [2, pages, block_size, H, D]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kInt &&
                   cached.dim() == 1 && cached.size(0) == q.size(0) && cached.scalar_type() == at::kInt,
               "pool_decode_attention: tables must be [B, W] int32 and cached [B] int32");
   const at::Tensor q_c = q.contiguous(), k_c = k.contiguous(), v_c = v.contiguous();
-  const at::Tensor keys_c = keys.contiguous(), values_c = values.contiguous();
   const at::Tensor tables_c = tables.contiguous(), cached_c = cached.contiguous();
-  const int64_t pages = keys.size(0), block_size = keys.size(1), width = tables.size(1);
-  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read lies in the pool
+  at::Tensor keys = pool.select(0, 0), values = pool.select(0, 1);
+  const int64_t pages = pool.size(1), block_size = pool.size(2), width = tables.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read or written lies in the pool
     const int64_t length = cached_c.const_data_ptr<int32_t>()[b];
-    TORCH_CHECK(length >= 0 && length <= width * block_size, "pool_decode_attention: sequence ", b, " caches ",
-                length, " tokens, its table holds ", width * block_size);
-    for (int64_t i = 0; i < (length + block_size - 1) / block_size; ++i) {
+    TORCH_CHECK(length >= 0 && length < width * block_size, "pool_decode_attention: sequence ", b, " caches ",
+                length, " tokens, its table holds ", width * block_size, " with its new one");
+    for (int64_t i = 0; i <= length / block_size; ++i) {
       const int32_t page = tables_c.const_data_ptr<int32_t>()[b * width + i];
       TORCH_CHECK(page >= 0 && page < pages, "pool_decode_attention: page ", page, " is not in the pool of ", pages);
     }
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  switch (keys.scalar_type()) {
-    case at::kFloat: attend<float>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
-    case at::kHalf: attend<c10::Half>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
-    case at::kBFloat16: attend<c10::BFloat16>(q_c, k_c, v_c, keys_c, values_c, tables_c, cached_c, out); break;
+  switch (pool.scalar_type()) {
+    case at::kFloat:
+      attend<float>(q_c, k_c, v_c, keys, values, tables_c, cached_c, out);
+      store<float>(k_c, v_c, keys, values, tables_c, cached_c);
+      break;
+    case at::kHalf:
+      attend<c10::Half>(q_c, k_c, v_c, keys, values, tables_c, cached_c, out);
+      store<c10::Half>(k_c, v_c, keys, values, tables_c, cached_c);
+      break;
+    case at::kBFloat16:
+      attend<c10::BFloat16>(q_c, k_c, v_c, keys, values, tables_c, cached_c, out);
+      store<c10::BFloat16>(k_c, v_c, keys, values, tables_c, cached_c);
+      break;
     default: TORCH_CHECK(false, "pool_decode_attention: pages must be float32, float16 or bfloat16");
   }
   return out;
@@ -181,7 +215,6 @@ at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minigpt_cpu, m) {
-  m.def("pool_decode_attention(Tensor q, Tensor k, Tensor v, Tensor keys, Tensor values, Tensor tables, "
-        "Tensor cached) -> Tensor");
+  m.def("pool_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) pool, Tensor tables, Tensor cached) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(minigpt_cpu, CPU, m) { m.impl("pool_decode_attention", &pool_decode_attention); }

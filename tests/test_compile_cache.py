@@ -179,6 +179,34 @@ def test_the_key_names_everything_a_program_depends_on():
         assert entry_key({**description, field: other}) != entry_key(description)
 
 
+def test_the_source_digest_follows_the_kernels_c_sources_in_a_tree_and_a_wheel(monkeypatch, tmp_path):
+    """A program calls a kernel's op by its schema: a changed .cpp makes another key, and the digest does not
+    depend on where the kernels lie (beside minigpt/ in a tree, minigpt/kernels/ in a wheel)."""
+    from minigpt import kernels
+
+    root = compile_cache.Path(compile_cache.__file__).resolve().parents[1]
+    tree, wheel = tmp_path / "tree", tmp_path / "wheel"
+    for path in root.rglob("*.py"):
+        for top in (tree / "minigpt", wheel / "minigpt"):
+            (top / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, top / path.relative_to(root))
+    source_kernels = compile_cache.Path(kernels.__file__).resolve().parent
+    shutil.rmtree(wheel / "minigpt" / "kernels", ignore_errors=True)
+    for folder in (tree / "kernels", wheel / "minigpt" / "kernels"):
+        shutil.copytree(source_kernels, folder, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest(top, kernel_folder):
+        monkeypatch.setattr(compile_cache, "__file__", str(top / "minigpt" / "compile" / "cache.py"))
+        monkeypatch.setattr(kernels, "__file__", str(kernel_folder / "__init__.py"))
+        return compile_cache.source_digest()
+
+    in_tree, in_wheel = digest(tree, tree / "kernels"), digest(wheel, wheel / "minigpt" / "kernels")
+    assert in_tree == in_wheel
+    source = tree / "kernels" / "pool_attention_avx2.cpp"
+    source.write_text(source.read_text() + "\n// changed\n")
+    assert digest(tree, tree / "kernels") != in_tree
+
+
 def test_the_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "here"))
     assert default_cache_dir() == tmp_path / "here"

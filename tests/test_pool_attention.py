@@ -1,6 +1,7 @@
 """The compiled decode's C++ attention (kernels/pool_attention_avx2.cpp): `PoolAttention`'s results to fp32 rounding
-for every pool dtype, length and page layout it meets; a sequence's bits the same alone, in any batch and on any
-number of threads; its refusals; where the compiled steps take it."""
+for every pool dtype, length and page layout it meets; the new K/V stored in their slots and nothing else written; a
+sequence's bits the same alone, in any batch and on any number of threads; its refusals; where the compiled steps
+take it."""
 
 from __future__ import annotations
 
@@ -30,15 +31,16 @@ def step(
     pages: int = 64,
     seed: int = 0,
 ):
-    """A layer's pool [1, 2, pages, block_size, H, D], shuffled page tables padded with page 0, q/k/v [B, H, D]."""
+    """A layer's pool [1, 2, pages, block_size, H, D], shuffled page tables padded with page 0 (each sequence's
+    pages for its cached tokens and its new one), q/k/v [B, H, D]."""
     generator = torch.Generator().manual_seed(seed)
     pool = torch.randn(1, 2, pages, block_size, heads, dim, generator=generator).to(dtype)
-    width = max(-(-length // block_size) for length in lengths) or 1
+    width = max(length // block_size + 1 for length in lengths)
     order = torch.randperm(pages - 1, generator=generator) + 1
     tables = torch.zeros(batch, width, dtype=torch.int32)
     used = 0
     for row, length in enumerate(lengths):
-        count = -(-length // block_size)
+        count = length // block_size + 1
         tables[row, :count] = order[used : used + count]
         used += count
     context_lens = torch.tensor(lengths, dtype=torch.int32) + 1  # each sequence's own token counted
@@ -84,28 +86,45 @@ def test_a_sequence_s_bits_alone_in_any_batch_and_on_any_threads():
         torch.set_num_threads(threads)
     for row in range(len(lengths)):
         rows = slice(row, row + 1)
-        alone = NativePoolAttention(pool, tables[rows, : max(1, -(-lengths[row] // 4))], context_lens[rows], scales)(
+        alone = NativePoolAttention(pool, tables[rows, : lengths[row] // 4 + 1], context_lens[rows], scales)(
             0, q[rows], k[rows], v[rows]
         )
         assert torch.equal(alone, batched[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernel_stores_the_new_k_v_in_their_slots_and_writes_nothing_else(dtype):
+    """As `index_copy_` of the K/V `Tensor.to` the pool's dtype at each sequence's position `context_lens - 1`."""
+    kernel_or_skip()
+    lengths = [0, 3, 4, 17]  # the new token first in a page, in one, last in one, and past a full page
+    pool, tables, context_lens, scales, q, k, v = step(len(lengths), lengths, dtype)
+    expected = pool.clone()
+    positions = context_lens.long() - 1
+    slots = tables.long().gather(1, (positions // 4)[:, None]).squeeze(1) * 4 + positions % 4
+    expected[0].flatten(1, 2).index_copy_(1, slots, torch.stack([k, v]).to(dtype))
+    NativePoolAttention(pool, tables, context_lens, scales)(0, q, k, v)
+    assert torch.equal(pool, expected)
+
+
 def test_the_kernel_refuses_what_it_cannot_read():
     kernel_or_skip()
     pool, tables, context_lens, scales, q, k, v = step(2, [5, 6], torch.float32)
-    keys, values, cached = pool[0, 0], pool[0, 1], context_lens - 1
+    layer, cached, before = pool[0], context_lens - 1, pool.clone()
     with pytest.raises(RuntimeError, match="D a multiple of 8"):
-        pool_attention.decode(q[..., :12], k[..., :12], v[..., :12], keys[..., :12], values[..., :12], tables, cached)
+        pool_attention.decode(q[..., :12], k[..., :12], v[..., :12], layer[..., :12].contiguous(), tables, cached)
+    with pytest.raises(RuntimeError, match="contiguous keys and values"):
+        pool_attention.decode(q, k, v, layer.transpose(1, 2), tables, cached)
     with pytest.raises(RuntimeError, match="int32"):
-        pool_attention.decode(q, k, v, keys, values, tables.long(), cached)
+        pool_attention.decode(q, k, v, layer, tables.long(), cached)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
-        pool_attention.decode(q, k, v, keys.double(), values.double(), tables, cached)
+        pool_attention.decode(q, k, v, layer.double(), tables, cached)
     with pytest.raises(RuntimeError, match="k and v must be float32"):
-        pool_attention.decode(q, k.half(), v, keys, values, tables, cached)
+        pool_attention.decode(q, k.half(), v, layer, tables, cached)
     with pytest.raises(RuntimeError, match="page 64 is not in the pool of 64"):
-        pool_attention.decode(q, k, v, keys, values, torch.tensor([[1, 2], [3, 64]], dtype=torch.int32), cached)
-    with pytest.raises(RuntimeError, match="caches 9 tokens, its table holds 8"):
-        pool_attention.decode(q, k, v, keys, values, tables, torch.tensor([5, 9], dtype=torch.int32))
+        pool_attention.decode(q, k, v, layer, torch.tensor([[1, 2], [3, 64]], dtype=torch.int32), cached)
+    with pytest.raises(RuntimeError, match="caches 8 tokens, its table holds 8 with its new one"):
+        pool_attention.decode(q, k, v, layer, tables, torch.tensor([5, 8], dtype=torch.int32))
+    assert torch.equal(pool, before)  # nothing refused was written
 
 
 def test_where_the_kernel_is_usable(monkeypatch):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from minigpt import kernels
 from minigpt.common.cpu_class import x86_flags
 from minigpt.common.errors import error_line
 from minigpt.common.progress import announce
@@ -46,11 +47,23 @@ def default_cache_dir() -> Path:
 
 
 def source_digest() -> str:
+    """Of minigpt's Python and its kernels' sources (the C++ ops a program calls by their schema): the same in a
+    source tree (kernels/ beside minigpt/) and a wheel (minigpt/kernels/)."""
     digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for name, path in sorted(_sources()):
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def _sources():
+    root = Path(__file__).resolve().parents[1]
+    kernel_root = Path(kernels.__file__).resolve().parent
+    for path in root.rglob("*.py"):
+        if kernel_root not in path.parents:
+            yield path.relative_to(root).as_posix(), path
+    for path in kernel_root.rglob("*"):
+        if path.suffix in (".py", ".cpp"):
+            yield f"kernels/{path.relative_to(kernel_root).as_posix()}", path
 
 
 def build_environment(device: torch.device) -> dict:

@@ -48,24 +48,26 @@ def decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    pool: torch.Tensor,
     tables: torch.Tensor,
     cached: torch.Tensor,
 ) -> torch.Tensor:
-    """Scaled queries q [B, H, D] and their own k, v (fp32) over `cached` [B] tokens in the pages `tables` [B, W]
-    (int32) of one layer's keys and values [pages, block_size, H, D] -> [B, H, D] fp32."""
+    """Scaled queries q [B, H, D] and their own k, v (fp32, values of the pool's dtype) over `cached` [B] tokens in
+    the pages `tables` [B, W] (int32) of one layer's keys and values `pool` [2, pages, block_size, H, D] -> [B, H, D]
+    fp32; k and v are then stored in the pool at position `cached` of each sequence's pages."""
     if not loaded():  # loaded where `usable` was asked; a compile worker loads it here
         raise RuntimeError("the C++ decode attention could not be loaded in this process")
-    return torch.ops.minigpt_cpu.pool_decode_attention(q, k, v, keys, values, tables, cached)
+    return torch.ops.minigpt_cpu.pool_decode_attention(q, k, v, pool, tables, cached)
 
 
-def _decode_shape(q, k, v, keys, values, tables, cached) -> torch.Tensor:
+def _decode_shape(q, k, v, pool, tables, cached) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 class NativePoolAttention(PoolAttention):
-    """`PoolAttention` with its pages attended through the kernel."""
+    """`PoolAttention` with its pages attended through the kernel, which also stores the new K/V."""
+
+    stores_kv = True
 
     def __init__(
         self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scales: torch.Tensor
@@ -74,4 +76,4 @@ class NativePoolAttention(PoolAttention):
         self.tables, self.cached = block_tables.int(), (context_lens - 1).int()
 
     def over_pages(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return decode(q, k, v, pool[0], pool[1], self.tables, self.cached)
+        return decode(q, k, v, pool, self.tables, self.cached)

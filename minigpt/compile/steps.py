@@ -49,10 +49,12 @@ def decode_layer(
     scale: torch.Tensor,
     attention: type[Attention] = PoolAttention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D]); pool: this layer's, read only."""
+    """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D] to store, or None where the
+    attention stored them in `pool`, this layer's)."""
     q, k, v = attention_inputs(block, x)
     y = attention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
-    return attention_outputs(block, x, y), torch.stack([k, v]).to(pool.dtype)
+    new_kv = None if attention.stores_kv else torch.stack([k, v]).to(pool.dtype)
+    return attention_outputs(block, x, y), new_kv
 
 
 def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
@@ -63,18 +65,22 @@ def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block
 
 class PoolDecode(Attention):
     """A decode step's blocks each one call of `layer` (`decode_layer` or its program), whose new K/V is stored
-    after it (a program writing its input pool would copy it whole); the head through `head`."""
+    after it where its attention did not store it (a program's `index_copy_` into its input pool would copy the
+    pool whole); the head through `head`."""
 
     def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  slot_mapping: torch.Tensor, scales: torch.Tensor, layer: Callable = decode_layer,
                  head: Callable = final_logits) -> None:
-        self.kv_pool, self.block_tables, self.context_lens, self.scales = kv_pool, block_tables, context_lens, scales
-        self.slots, self.slot_mapping = kv_pool.flatten(2, 3), slot_mapping  # pages as token slots
+        # each layer's pool and scale as views made at once: one op each, where indexing per layer is 12
+        self.pools, self.scales = kv_pool.unbind(), scales.unbind()
+        self.block_tables, self.context_lens, self.slot_mapping = block_tables, context_lens, slot_mapping
         self.layer, self._head = layer, head
 
     def block(self, layer: int, block: Block, x: torch.Tensor, rows=None) -> torch.Tensor:
-        x, new_kv = self.layer(block, x, self.kv_pool[layer], self.block_tables, self.context_lens, self.scales[layer])
-        self.slots[layer].index_copy_(1, self.slot_mapping, new_kv)
+        pool = self.pools[layer]
+        x, new_kv = self.layer(block, x, pool, self.block_tables, self.context_lens, self.scales[layer])
+        if new_kv is not None:
+            pool.flatten(1, 2).index_copy_(1, self.slot_mapping, new_kv)  # pages as token slots
         return x
 
     def head(self, model: GPT2, x: torch.Tensor) -> torch.Tensor:

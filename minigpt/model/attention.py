@@ -138,7 +138,10 @@ class InvariantAttention(PagedAttention):
 
 
 class PoolAttention(Attention):
-    """One new token per sequence over its pages and its own K/V (counted in context_lens), never writing them."""
+    """One new token per sequence over its pages and its own K/V (counted in context_lens), writing them only where
+    `stores_kv` (else its caller stores them)."""
+
+    stores_kv = False
 
     def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scales: torch.Tensor) -> None:
