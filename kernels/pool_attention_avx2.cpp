@@ -1,6 +1,7 @@
 // Decode attention over a paged KV pool on x86 CPUs with AVX2: one new token per sequence over its cached keys and
-// values in pages and its own, which it then stores in its slot (the pool is the op's one mutated input: a compiled
-// program passes its own, where an eager store after each program would be one more op a layer). Built by
+// values in pages and its own, which it then stores in its slot. The layer's whole pool is the op's one mutated
+// input, which a compiled program writes in place (an eager store after each program was one more op a layer); not
+// its keys and values as two views, which torch 2.13's AOTInductor passed both at the input's offset 0. Built by
 // minigpt/compile/native.py; minigpt/compile/pool_attention.py calls it; its torch reference is `PoolAttention`
 // (minigpt/model/attention.py) and an `index_copy_` of the new K/V.
 //
@@ -90,7 +91,8 @@ void attend_split(const float* query, const T* key_data, const T* value_data, co
 }
 
 // each sequence's own k and v [B, H, D] into its slot, position cached[b] of its pages (after `attend`, which
-// reads none past cached[b]), converted as `Tensor.to` would: they are already values of the pool's dtype
+// reads none past cached[b]), converted as `Tensor.to` would (vectorized: a scalar half is a software conversion);
+// they are already values of the pool's dtype
 template <typename T>
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& tables,
            const at::Tensor& cached) {
@@ -102,12 +104,8 @@ void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tenso
     const int64_t offset = (table_data[b * width + position / block_size] * block_size + position % block_size) * slot;
     const float* k_row = k.const_data_ptr<float>() + b * slot;
     const float* v_row = v.const_data_ptr<float>() + b * slot;
-    T* key = keys.mutable_data_ptr<T>() + offset;
-    T* value = values.mutable_data_ptr<T>() + offset;
-    for (int64_t i = 0; i < slot; ++i) {
-      key[i] = static_cast<T>(k_row[i]);
-      value[i] = static_cast<T>(v_row[i]);
-    }
+    at::vec::convert(k_row, keys.mutable_data_ptr<T>() + offset, slot);
+    at::vec::convert(v_row, values.mutable_data_ptr<T>() + offset, slot);
   }
 }
 
