@@ -48,7 +48,7 @@ def decode_layer(
     context_lens: torch.Tensor,
     scale: torch.Tensor,
     attention: type[Attention] = PoolAttention,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D] to store, or None where the
     attention stored them in `pool`, this layer's)."""
     q, k, v = attention_inputs(block, x)
@@ -58,8 +58,8 @@ def decode_layer(
 
 
 def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_layer` through the C++ decode attention, where `pool_attention.usable`."""
+                        context_lens: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """`decode_layer` through the C++ decode attention (which stores the new K/V), where `pool_attention.usable`."""
     return decode_layer(block, x, pool, block_tables, context_lens, scale, pool_attention.NativePoolAttention)
 
 
