@@ -12,6 +12,7 @@ from minigpt.common import cpu_class
 from minigpt.compile import pool_attention
 from minigpt.compile.pool_attention import NativePoolAttention
 from minigpt.model.attention import PoolAttention
+from minigpt.model.backends import store_kv
 
 
 def kernel_or_skip() -> None:
@@ -94,14 +95,14 @@ def test_a_sequence_s_bits_alone_in_any_batch_and_on_any_threads():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_kernel_stores_the_new_k_v_in_their_slots_and_writes_nothing_else(dtype):
-    """As `index_copy_` of the K/V `Tensor.to` the pool's dtype at each sequence's position `context_lens - 1`."""
+    """As `store_kv`, the engine's store (`Tensor.to` the pool's dtype), at each position `context_lens - 1`."""
     kernel_or_skip()
     lengths = [0, 3, 4, 17]  # the new token first in a page, in one, last in one, and past a full page
     pool, tables, context_lens, scales, q, k, v = step(len(lengths), lengths, dtype)
     expected = pool.clone()
     positions = context_lens.long() - 1
     slots = tables.long().gather(1, (positions // 4)[:, None]).squeeze(1) * 4 + positions % 4
-    expected[0].flatten(1, 2).index_copy_(1, slots, torch.stack([k, v]).to(dtype))
+    store_kv(k, v, expected[0, 0], expected[0, 1], slots)  # the engine's own store
     NativePoolAttention(pool, tables, context_lens, scales)(0, q, k, v)
     assert torch.equal(pool, expected)
 
