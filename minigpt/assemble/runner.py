@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from minigpt.common.huge_pages import move_to_huge_pages
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from minigpt.engine.runner import ModelRunner
@@ -51,4 +52,5 @@ def load_model_for(path: Path, config: EngineConfig, shard: Shard | None = None)
         tile_rows(model)
     if shard is not None:
         shard.reduce_projections(model)
+    move_to_huge_pages(model)  # last: every tensor the steps read is in place
     return model

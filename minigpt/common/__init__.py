@@ -5,5 +5,6 @@
     torch_support.py  the torch releases minigpt has run on, checked at start
     cpu_class.py      the x86 class kernels are picked for, and how a run is forced to a lower one
     progress.py       progress lines on stderr for long batches and long waits
+    huge_pages.py     a loaded model's weights moved into memory backed by 2 MiB pages
     version.py        the package's version, the one place it is written
 """

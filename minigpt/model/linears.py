@@ -50,6 +50,8 @@ for _name, _kernel in (("packed_linear", _packed_linear), ("half_weight_linear",
 class PackedLinear(nn.Module):
     """The weight reordered once into oneDNN's blocked layout, living as long as `handle`."""
 
+    fixed_addresses = ("handle",)  # its address keys the packed weight: `huge_pages` leaves it in place
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

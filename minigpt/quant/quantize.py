@@ -56,6 +56,7 @@ class W8A8Linear(Int8Linear):
                                and not self.fbgemm)
         if self.fbgemm:
             fbgemm_int8.pack(self.weight)
+            self.fixed_addresses = ("weight",)  # its address keys fbgemm's packing: `huge_pages` leaves it in place
         # a second copy of the weight, in the kernel's packing: a row is read faster from it at every class
         few_rows = self.weight.device.type == "cpu" and int8_rows.usable(self.in_features)
         self.register_buffer("packed", int8_rows.pack(self.weight) if few_rows else None, persistent=False)
