@@ -131,3 +131,12 @@ def test_the_memory_is_backed_by_huge_pages_where_the_kernel_offers_them():
     # the kernel may find no free 2 MiB page at once: most of it, not all
     assert huge_kib(start, start + tensor.numel()) >= 2 * HUGE_PAGE // 1024
 
+
+
+@needs_huge_pages
+def test_a_kernel_without_huge_pages_gives_ordinary_memory():
+    class Refusing:
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    huge_pages.advise_huge_pages(Refusing(), 0, HUGE_PAGE)  # no error: the memory stays ordinary

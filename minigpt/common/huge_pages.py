@@ -30,8 +30,15 @@ def huge_page_bytes(nbytes: int) -> memoryview:
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, size)
+    advise_huge_pages(mapping, start, size)
     return memoryview(mapping)[start : start + nbytes]  # the view keeps the mapping alive
+
+
+def advise_huge_pages(mapping: mmap.mmap, start: int, size: int) -> None:
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, size)
+    except OSError:  # a kernel built without transparent huge pages (EINVAL): ordinary pages
+        pass
 
 
 def move_to_huge_pages(module: nn.Module) -> int:
