@@ -132,7 +132,6 @@ def test_the_memory_is_backed_by_huge_pages_where_the_kernel_offers_them():
     assert huge_kib(start, start + tensor.numel()) >= 2 * HUGE_PAGE // 1024
 
 
-
 @needs_huge_pages
 def test_a_kernel_without_huge_pages_gives_ordinary_memory():
     class Refusing:

@@ -25,9 +25,13 @@ def huge_pages_on() -> bool:
     return sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(SWITCH, "1") != "0"
 
 
+def round_up(nbytes: int, unit: int) -> int:
+    return -(-nbytes // unit) * unit
+
+
 def huge_page_bytes(nbytes: int) -> memoryview:
     """`nbytes` of zeroed anonymous memory starting on a 2 MiB boundary, advised to be backed by huge pages."""
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    size = round_up(nbytes, HUGE_PAGE)
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     advise_huge_pages(mapping, start, size)
@@ -57,15 +61,16 @@ def move_to_huge_pages(module: nn.Module) -> int:
     for tensor in tensors.values():
         groups.setdefault(tensor.untyped_storage()._cdata, []).append(tensor)
     sizes = [group[0].untyped_storage().nbytes() for group in groups.values()]
-    total = sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes)
+    spans = [round_up(size, ALIGNMENT) for size in sizes]  # each storage's slice of the mapping
+    total = sum(spans)
     if not total:
         return 0
     memory, start = huge_page_bytes(total), 0
     with torch.no_grad():
-        for group, size in zip(groups.values(), sizes, strict=True):
+        for group, size, span in zip(groups.values(), sizes, spans, strict=True):
             new = torch.frombuffer(memory[start : start + size], dtype=torch.uint8)
             new.copy_(torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage()))
             for tensor in group:  # the old storage is freed with its last tensor moved, where nothing else holds it
                 tensor.set_(new.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
-            start += -(-size // ALIGNMENT) * ALIGNMENT
+            start += span
     return total
