@@ -25,6 +25,7 @@ SAMPLING_FLAGS = {
     "min_p": "min_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "stop": "stop",
     "ignore_eos": "ignore_eos",
 }
+BEAM_FLAGS = ("length_penalty", "early_stopping")  # beam search's own flags, besides --beam-width
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -112,19 +113,24 @@ def beam_params(args: argparse.Namespace) -> BeamSearchParams:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams; the beam search flags refused (no --beam-width)."""
+    parser = build_parser()
+    for dest in BEAM_FLAGS:
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ValueError(f"--{dest.replace('_', '-')} applies to beam search only (add --beam-width)")
     return SamplingParams(**{field: getattr(args, dest) for dest, field in SAMPLING_FLAGS.items()})
 
 
 def flag_names() -> dict[str, str]:
     dests = {field: dest for dest, field in SAMPLING_FLAGS.items()}
-    dests.update({name: name for name in ("beam_width", "length_penalty", "early_stopping")})
+    dests.update({name: name for name in ("beam_width", *BEAM_FLAGS)})
     return {field: f"--{dest.replace('_', '-')}" for field, dest in dests.items()}
 
 
 def run(args: argparse.Namespace) -> None:
     prompts, line_numbers = read_prompts(args)
     beam = beam_params(args) if args.beam_width is not None else None
-    params = sampling_params(args)
+    params = sampling_params(args) if beam is None else None
     with LLM(args.model, **engine_args_from(args)) as llm:
         if beam is not None:
             for out in with_line_numbers(lambda: llm.beam_search(prompts, beam), args, line_numbers):

@@ -68,11 +68,11 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one completion as tokens are generated (never the start of a stop string that may
         still match); bad input raises here, before the first delta."""
-        params = params or SamplingParams()
-        if params.n != 1:
-            raise ValueError("stream() takes one completion: SamplingParams.n must be 1")
         self._check_open()
-        return self._stream(self.engine.make_request(prompt, params, SamplingParams))
+        request = self.engine.make_request(prompt, SamplingParams() if params is None else params, SamplingParams)
+        if len(request.seqs) != 1:
+            raise ValueError("stream() takes one completion: SamplingParams.n must be 1")
+        return self._stream(request)
 
     def _stream(self, request: Request) -> Iterator[str]:
         seq = request.seqs[0]

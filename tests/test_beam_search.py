@@ -232,6 +232,8 @@ def test_cli_prints_the_best_hypothesis_or_all_as_json(eos_checkpoint, llm, tmp_
     (["--beam-width", "0"], "--beam-width must be an int >= 1, got 0"),
     (["--beam-width", "2", "--temperature", "0.7"], "--temperature does not apply to beam search"),
     (["--beam-width", "2", "--max-new-tokens", "0"], "--max-new-tokens must be an int >= 1"),
+    (["--length-penalty", "2"], "--length-penalty applies to beam search only (add --beam-width)"),
+    (["--early-stopping", "true"], "--early-stopping applies to beam search only (add --beam-width)"),
 ])
 def test_cli_refuses_bad_beam_flags(tiny_checkpoint, capsys, args, message):
     from minigpt.generate import main

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minigpt import LLM, SamplingParams
+from minigpt import LLM, BeamSearchParams, SamplingParams
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -379,6 +379,12 @@ def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
         with pytest.raises(TypeError, match="SamplingParams or a list of them, got dict"):
             llm.generate(["x"], {"max_tokens": 2})
+        for params in ({"max_tokens": 2}, {}, BeamSearchParams(beam_width=2, max_tokens=2)):
+            with pytest.raises(TypeError, match=f"params must be SamplingParams, got {type(params).__name__}"):
+                llm.stream("x", params)
+        with pytest.raises(ValueError, match="SamplingParams.n must be 1"):
+            llm.stream("x", SamplingParams(max_tokens=2, n=2))
+        assert llm.engine.requests == {}  # nothing was queued by the refused streams
 
 
 def test_params_changed_after_construction_are_checked_and_copied(tiny_checkpoint):

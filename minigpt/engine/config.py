@@ -63,7 +63,8 @@ class EngineConfig:
     hung_step_seconds: int = _setting(60, "a step running this long makes the engine unhealthy (a hung rank or device)")
     speculative_config: dict | None = _setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}'
+        '"prompt_lookup_min": 1} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} '
+        '(no beam search with it yet)'
     )
     tensor_parallel_size: int = _setting(
         1, "processes the model is sharded over by heads (gloo on the CPU, NCCL with one GPU per rank)"
