@@ -385,6 +385,8 @@ def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
         with pytest.raises(ValueError, match="SamplingParams.n must be 1"):
             llm.stream("x", SamplingParams(max_tokens=2, n=2))
         assert llm.engine.requests == {}  # nothing was queued by the refused streams
+        with pytest.raises(ValueError, match="prompt 0: prompt is not valid Unicode: U.D800 at character 2"):
+            llm.generate(["hi\ud800"], SamplingParams(max_tokens=2))
 
 
 def test_params_changed_after_construction_are_checked_and_copied(tiny_checkpoint):

@@ -634,3 +634,16 @@ def test_cli_refuses_a_port_it_cannot_listen_on_before_loading(capsys):
         assert serve.main(["--model", "/no/such/dir", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"minigpt.serve: error: cannot listen on 127.0.0.1:{port}"), err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_that_is_not_unicode_is_a_400_before_anything_runs(served, stream):
+    """JSON's escape of a lone surrogate decodes to no text: refused at once, where echoing it would fail to
+    encode the answer (a 500, or a stream cut before its first event)."""
+    body = b'{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 3, "echo": true, "stream": %s}' % (
+        MODEL.encode(), b"true" if stream else b"false")
+    response = httpx.post(f"{served.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "prompt is not valid Unicode: U+D800 at character 3" in error["message"]
+    wait_idle(served.llm)

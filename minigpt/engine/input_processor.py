@@ -96,6 +96,11 @@ class InputProcessor:
 
     def prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode()  # a lone surrogate (JSON's "\ud800") is no text: no output could echo it
+            except UnicodeEncodeError as err:
+                raise ValueError(f"prompt is not valid Unicode: U+{ord(prompt[err.start]):04X} at character "
+                                 f"{err.start} ({err.reason})") from None
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif (isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray))
               and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
