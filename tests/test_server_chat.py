@@ -222,8 +222,8 @@ def test_streamed_choices_and_logprobs_join_to_the_unstreamed_ones(served):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1}, "max_tokens",
      "not both"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature", "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, "prompt",
-     "max_completion_tokens=5000 exceeds the model's context"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, "messages",
+     " tokens + max_completion_tokens=5000 exceeds the model's context"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages", "messages[0].content: Input should be a valid string"
      " or a valid list"),
     ({"messages": [{"content": "x"}]}, "messages", "messages[0].role is required"),

@@ -4,6 +4,7 @@ both endpoints accept and refuse the same values."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -66,7 +67,7 @@ def chat_plan(body: ChatCompletionRequest, template: ChatTemplate | None, tokeni
     renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
     params = completion.sampling_params(renames)
     completion.prompts()  # the request-size checks of /v1/completions
-    return EnginePlan([prompt], params, params.n, completion.field_names(renames))
+    return EnginePlan([prompt], params, params.n, replace(completion.field_names(renames), prompt="messages"))
 
 
 def chat_body(body: ChatCompletionRequest, out: RequestOutput, tokenizer: Tokenizer, model: str,

@@ -122,12 +122,13 @@ class FieldNames:
 
     structured: str = "structured_outputs"  # the field a structured-output constraint came from
     renames: Mapping[str, str] = field(default_factory=dict)  # params field -> the body's name for it
+    prompt: str = "prompt"  # the body's field the prompts came from (chat: `messages`), a refusal's param
 
     def refusal(self, err: ParamError, where: str = "") -> APIError:
         """A 400 for `err`, its fields named as the body names them; `where` ("prompt 2: ") goes first."""
         if err.owner == "StructuredOutputsParams":
             return invalid(where + err.worded(self._structured), self.structured)
-        param = self.renames.get(err.field, err.field)
+        param = self.prompt if err.field == "prompt" else self.renames.get(err.field, err.field)
         return invalid(where + err.worded(lambda n: self.renames.get(n.field, n.field) + _setting(n)), param)
 
     def _structured(self, named: Named) -> str:

@@ -15,7 +15,7 @@ def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
     handles: list[RequestHandle] = []
     if len(prompts) > llm.config.max_waiting:  # a 503 would tell the client to retry in vain
         raise invalid(f"a request of {len(prompts)} prompts can never fit the server's queue of "
-                      f"{llm.config.max_waiting} (max_waiting)", "prompt")
+                      f"{llm.config.max_waiting} (max_waiting)", plan.names.prompt)
     try:
         for prompt in prompts:
             handles.append(llm.submit(prompt, params))
@@ -26,7 +26,7 @@ def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:
         where = f"prompt {len(handles)}: " if len(prompts) > 1 else ""
         if isinstance(err, ParamError):
             raise plan.names.refusal(err, where) from None
-        raise invalid(where + str(err), "prompt") from None
+        raise invalid(where + str(err), plan.names.prompt) from None
     except ImportError as err:  # structured outputs without their extra
         raise APIError(400, str(err), param=plan.names.structured) from None
     except RuntimeError as err:  # the engine is closed
