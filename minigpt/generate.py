@@ -100,11 +100,16 @@ def beam_as_json(out: BeamSearchOutput) -> str:
     }, ensure_ascii=False)
 
 
+def given_flags(args: argparse.Namespace, dests) -> list[str]:
+    """The flags of `dests` (by dest) given a value other than their default."""
+    parser = build_parser()
+    return [dest for dest in dests if getattr(args, dest) != parser.get_default(dest)]
+
+
 def beam_params(args: argparse.Namespace) -> BeamSearchParams:
     """The beam flags as BeamSearchParams; other sampling flags than --max-new-tokens and --ignore-eos refused."""
-    parser = build_parser()
-    for dest in SAMPLING_FLAGS:
-        if dest not in ("max_new_tokens", "ignore_eos") and getattr(args, dest) != parser.get_default(dest):
+    for dest in given_flags(args, SAMPLING_FLAGS):
+        if dest not in ("max_new_tokens", "ignore_eos"):
             raise ValueError(f"--{dest.replace('_', '-')} does not apply to beam search (--beam-width)")
     early_stopping = {"false": False, "true": True, "never": "never"}[args.early_stopping]
     return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_new_tokens,
@@ -114,10 +119,9 @@ def beam_params(args: argparse.Namespace) -> BeamSearchParams:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as SamplingParams; the beam search flags refused (no --beam-width)."""
-    parser = build_parser()
-    for dest in BEAM_FLAGS:
-        if getattr(args, dest) != parser.get_default(dest):
-            raise ValueError(f"--{dest.replace('_', '-')} applies to beam search only (add --beam-width)")
+    given = given_flags(args, BEAM_FLAGS)
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} applies to beam search only (add --beam-width)")
     return SamplingParams(**{field: getattr(args, dest) for dest, field in SAMPLING_FLAGS.items()})
 
 

@@ -385,6 +385,11 @@ def test_params_of_the_wrong_type_are_named(tiny_checkpoint):
         with pytest.raises(ValueError, match="SamplingParams.n must be 1"):
             llm.stream("x", SamplingParams(max_tokens=2, n=2))
         assert llm.engine.requests == {}  # nothing was queued by the refused streams
+
+
+def test_a_prompt_that_is_not_unicode_is_refused(tiny_checkpoint):
+    """A lone surrogate is no text: no output could echo the prompt."""
+    with LLM(str(tiny_checkpoint), kv_cache_tokens=256) as llm:
         with pytest.raises(ValueError, match="prompt 0: prompt is not valid Unicode: U.D800 at character 2"):
             llm.generate(["hi\ud800"], SamplingParams(max_tokens=2))
 
