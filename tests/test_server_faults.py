@@ -216,21 +216,29 @@ def test_a_client_slow_with_its_headers_or_its_body_loses_its_connection(llm):
             assert read_response(prompt).startswith(b"HTTP/1.1 200 ")
 
 
+def poll(url: str, status: int) -> httpx.Response:
+    """GET `url` until it answers `status` (a bounded poll: the server takes and drops connections as it goes)."""
+    for _ in range(500):
+        if (response := httpx.get(url)).status_code == status:
+            break
+        time.sleep(0.01)
+    return response
+
+
 def test_requests_past_the_concurrency_limit_get_503(llm):
     with run_configured(build_app(llm, MODEL), read_timeout=60, limit_concurrency=3) as address:
         url = f"http://{address[0]}:{address[1]}/health"
         assert httpx.get(url).status_code == 200
-        with socket.create_connection(address), socket.create_connection(address):
-            for _ in range(500):  # until the server has taken both connections (a bounded poll)
-                if (response := httpx.get(url)).status_code == 503:
-                    break
-                time.sleep(0.01)
-            assert response.status_code == 503
-        for _ in range(500):
-            if (response := httpx.get(url)).status_code == 200:
-                break
-            time.sleep(0.01)
-        assert response.status_code == 200
+        idle = [socket.create_connection(address) for _ in range(3)]
+        refused = poll(url, 503)  # 3 open and this request's: past the limit
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "concurrency_limit"
+        assert "--limit-concurrency" in refused.json()["error"]["message"]
+        idle.pop().close()
+        assert poll(url, 200).status_code == 200  # 2 open and this request's: at the limit, served
+        for sock in idle:
+            sock.close()
+        assert poll(url, 200).status_code == 200
 
 
 @pytest.mark.parametrize(("argv", "says"), [

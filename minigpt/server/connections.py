@@ -1,5 +1,6 @@
 """uvicorn's config: a deadline for each request's headers (uvicorn bounds only the idle time between requests,
-so a slowloris client would hold its connection for ever) and a limit on connections and requests in flight."""
+so a slowloris client would hold its connection for ever) and a limit on connections and requests in flight,
+past which a request gets OpenAI's error object (uvicorn's own limit answers plain text, and at the limit)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,32 @@ import functools
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from minigpt.server.errors import APIError
 
-class HeaderDeadline(H11Protocol):
-    def __init__(self, *args, header_timeout: float, **kwargs) -> None:
+
+class GuardedH11(H11Protocol):
+    """One connection: its request headers under `header_timeout`, its requests refused with a 503 while more
+    than `limit` connections are open or requests in flight (this one's counted)."""
+
+    def __init__(self, *args, header_timeout: float, limit: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self._deadline: asyncio.TimerHandle | None = None
+        self.limit = limit
+        self.app = functools.partial(self._gate, self.app)
+
+    async def _gate(self, app, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (len(self.connections) > self.limit or len(self.tasks) > self.limit):
+            self.logger.warning("refused a request: over %d connections or requests in flight", self.limit)
+            refusal = APIError(503, f"the server is over its limit of {self.limit} connections and requests in "
+                               f"flight (--limit-concurrency): retry later", "server_error",
+                               code="concurrency_limit", headers={"Retry-After": "1", "Connection": "close"})
+            await refusal.response()(scope, receive, send)
+            return
+        await app(scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -56,5 +75,5 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, read_time
     """The server's uvicorn config: HTTP/1.1 over h11 with `read_timeout` for a request's headers, and
     `limit_concurrency` connections and requests in flight (past it, a new request gets 503)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=functools.partial(HeaderDeadline, header_timeout=read_timeout),
-                          limit_concurrency=limit_concurrency, timeout_graceful_shutdown=graceful_timeout)
+                          http=functools.partial(GuardedH11, header_timeout=read_timeout, limit=limit_concurrency),
+                          timeout_graceful_shutdown=graceful_timeout)
