@@ -447,6 +447,18 @@ def test_n_completions_share_the_prompt_pages(tiny_checkpoint):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_seeds_span_int64_and_a_negative_one_draws_as_its_sum_with_2_63(tiny_checkpoint):
+    prompt = random_prompts([7], seed=4)[0]
+
+    def draws(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=1.5, seed=seed, ignore_eos=True)
+        return llm.generate([prompt], params)[0].token_ids
+
+    with LLM(str(tiny_checkpoint)) as llm:
+        assert draws(-1) == draws(2**63 - 1) and draws(-(2**63)) == draws(0)
+        assert len({tuple(draws(seed)) for seed in (0, 1, 2**62, -5)}) == 4
+
+
 def test_last_layer_goes_on_with_the_wanted_rows_only(tiny_checkpoint, reference):
     """Once the last layer has stored its K/V, only rows whose logits are wanted go through its MLP: a
     prompt's last token, none for a chunk that samples nothing, every scored row of a prompt_logprobs

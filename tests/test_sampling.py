@@ -90,7 +90,7 @@ def test_normalisation():
         ("min_p", -0.01), ("min_p", 1.5),
         ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
         ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 3.0),
-        ("seed", 1.0), ("seed", "0"), ("seed", True),
+        ("seed", 1.0), ("seed", "0"), ("seed", True), ("seed", 2**63), ("seed", -(2**63) - 1),
         ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 5), ("stop", {"a"}),
         ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
         ("ignore_eos", 1), ("ignore_eos", None),

@@ -77,10 +77,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, getattr(self, name), lambda x: -2 <= x <= 2, "in [-2, 2]"))
 
-        if self.seed is not None:
-            if not is_int(self.seed):
-                raise _bad("seed", self.seed, "an int or None")
-            self.seed = int(self.seed)
+        if self.seed is not None:  # OpenAI's int64
+            self.seed = self._int("seed", self.seed, -(2**63), 2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
         self.stop = self._stop(self.stop)
