@@ -197,10 +197,20 @@ def test_sampling_fields_that_could_leave_no_token_are_refused():
 
 def test_equal_constraints_share_one_compiled_grammar(llm):
     a = StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutputsParams(json='{"type": "object", "properties": {"x": {"type": "integer"}}}')
     assert a.key == b.key
     compiler = compiler_for(llm.tokenizer)
     assert compiler.compile(a) is compiler.compile(b)
+
+
+def test_properties_come_in_their_schema_s_order_whatever_was_compiled_before(llm):
+    def schema(*names: str) -> dict:
+        return {"type": "object", "properties": {name: {"type": "integer"} for name in names},
+                "required": sorted(names), "additionalProperties": False}
+
+    for order in [("b", "a"), ("a", "b"), ("b", "a")]:
+        params = SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema(*order)))
+        assert list(json.loads(llm.generate(["X:"], params)[0].text)) == list(order)
 
 
 def test_missing_extra_names_the_install(llm, monkeypatch):

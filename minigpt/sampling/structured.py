@@ -52,8 +52,9 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> str:
-        """The constraint as canonical text: equal constraints (a schema's keys in any order) share it."""
-        return json.dumps([self.kind, getattr(self, self.kind)], sort_keys=True, separators=(",", ":"))
+        """The constraint as compact text; a schema's keys stay in their order (its properties are generated in
+        that order, so schemas equal as dicts but ordered apart are different constraints)."""
+        return json.dumps([self.kind, getattr(self, self.kind)], separators=(",", ":"))
 
     @staticmethod
     def _schema(schema: Any) -> dict:
