@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
     writer = None
     with ExitStack() as resources:
         try:
+            if args.summary_json is not None:
+                files.check_writable(args.summary_json, "--summary-json")
             writer = files.ResultWriter(args.output)  # first: no other job may write it while this one reads it
             resources.callback(writer.close)
             done = files.resume_output(args.output) if args.output != "-" else set()
-            total = files.scan_input(args.input, done) if args.input != "-" else None
+            total = None if files.read_once(args.input) else files.scan_input(args.input, done)
             stream = files.open_input(args.input)
             if stream is not sys.stdin.buffer:
                 resources.callback(stream.close)
@@ -158,7 +160,12 @@ def _run(args: argparse.Namespace, name: str, answerer: Answerer, stream: Binary
         stopped = f"; stopped by {summary.stopped_by}: run it again to finish" if summary.stopped_by else ""
         print(f"{PREFIX}{summary.line(args.output)}{stopped}", file=sys.stderr)
     if args.summary_json is not None:
-        args.summary_json.write_text(json.dumps(summary.as_json(), indent=2) + "\n", encoding="utf-8")
+        try:
+            args.summary_json.write_text(json.dumps(summary.as_json(), indent=2) + "\n", encoding="utf-8")
+        except OSError as err:  # it was writable when the job began
+            print(f"{name}: error: cannot write --summary-json {args.summary_json}: {err.strerror or err}",
+                  file=sys.stderr)
+            code = code or 1
     return code
 
 

@@ -327,6 +327,38 @@ def test_a_repeated_custom_id_on_stdin_stops_the_job_naming_the_line(checkpoint,
     assert "line 4 of stdin repeats a custom_id given before ('job-0')" in capsys.readouterr().err
 
 
+def test_a_pipe_as_input_is_read_once_as_stdin_is(checkpoint, template_file, tmp_path):
+    """`-i <(zcat requests.jsonl.gz)`: a pipe, which a scan before the job would empty."""
+    lines = job_lines(3, max_tokens=2)
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    read_end, write_end = os.pipe()
+    os.write(write_end, source.read_bytes())  # under the pipe's buffer; closed, so a second read finds it empty
+    os.close(write_end)
+    try:
+        assert main(batch_args(checkpoint, template_file, f"/dev/fd/{read_end}", str(tmp_path / "piped.jsonl"),
+                               "--quiet")) == 0
+    finally:
+        os.close(read_end)
+    assert main(batch_args(checkpoint, template_file, str(source), str(tmp_path / "read.jsonl"), "--quiet")) == 0
+    piped, read = results(tmp_path / "piped.jsonl"), results(tmp_path / "read.jsonl")
+    assert len(piped) == len(lines) and {k: without_times(v) for k, v in piped.items()} == {
+        k: without_times(v) for k, v in read.items()}
+
+
+@pytest.mark.parametrize("where", ["missing/summary.json", "."])
+def test_a_summary_json_that_cannot_be_written_is_refused_before_the_job(checkpoint, template_file, tmp_path, capsys,
+                                                                         where):
+    source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(job_lines(1, max_tokens=1)) + "\n", encoding="utf-8")
+    summary = tmp_path / where
+    assert main(batch_args(checkpoint, template_file, str(source), str(output), "--quiet",
+                           "--summary-json", str(summary))) == 2
+    problem = "no such directory" if where.startswith("missing") else "is a directory"
+    assert capsys.readouterr().err == f"minigpt.batch: error: cannot write --summary-json {summary}: {problem}\n"
+    assert not output.exists()
+
+
 def test_quiet_silences_stderr_and_the_summary_counts_what_was_done(checkpoint, template_file, tmp_path, capsys):
     lines = [*job_lines(4, max_tokens=3), "not json", request_line("bad", "/v1/completions", {"prompt": 1.5})]
     source = tmp_path / "requests.jsonl"

@@ -1,6 +1,7 @@
 """The job's files: input lines read lazily, the input checked for repeated custom_ids before anything runs,
 an output file resumed (what it holds already is skipped; a last line torn by a kill is cut off) and
-appended a whole line at a time, flushed as each result completes. `-` is stdin or stdout."""
+appended a whole line at a time, flushed as each result completes. `-` is stdin or stdout; an input that is not a
+regular file (a pipe, `<(zcat ...)`) is read once, as stdin is."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import stat
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 from minigpt.batch_jobs.answer import custom_id_of, key_of_output_id, line_key
@@ -24,6 +26,25 @@ def open_input(path: str) -> BinaryIO:
         return open(path, "rb")  # noqa: SIM115  (closed by the job)
     except OSError as err:
         raise ValueError(f"cannot read -i {path}: {err.strerror}") from None
+
+
+def read_once(path: str) -> bool:
+    """Whether the input cannot be read twice (stdin, a pipe, a device): then it is not scanned before the job."""
+    if path == "-":
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False  # open_input says why
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuses a file the job writes only at its end, before the job runs."""
+    where = path if path.exists() else path.parent
+    problem = ("is a directory" if path.is_dir() else "no such directory" if not path.parent.is_dir()
+               else None if os.access(where, os.W_OK) else "permission denied")
+    if problem is not None:
+        raise ValueError(f"cannot write {flag} {path}: {problem}")
 
 
 def numbered_lines(stream: BinaryIO) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
