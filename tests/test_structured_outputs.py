@@ -115,6 +115,28 @@ def test_unbounded_strings_and_numbers_still_finish_valid(llm, max_tokens, tempe
         jsonschema.validate(json.loads(c.text), UNBOUNDED)
 
 
+def test_a_short_budget_leaves_the_model_half_of_it_before_closing(llm):
+    """/v1/completions' default max_tokens is 16: a string is the model's for the first half, not closed at once."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    a = llm.tokenizer.encode("a")[0]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, logit_bias={a: 30.0}, structured_outputs=(
+        StructuredOutputsParams(json=schema))))[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 16
+    assert "aaaa" in json.loads(out.text)["city"]
+
+
+@pytest.mark.parametrize("so", [StructuredOutputsParams(choice=["<|endoftext|>"]),
+                                StructuredOutputsParams(choice=["a<|endoftext|>", "b<|endoftext|>"]),
+                                StructuredOutputsParams(regex=r"(a|b)<\|endoftext\|>"),
+                                StructuredOutputsParams(json={"const": "x<|endoftext|>"})])
+def test_a_constraint_spelling_a_special_token_writes_its_text(llm, so):
+    """"<|endoftext|>" in a constraint is text: its pieces' tokens, never the end-of-text token."""
+    for c in sampled(llm, so, max_tokens=20):
+        assert c.finish_reason == "stop" and "<|endoftext|>" in c.text, c.text
+        assert llm.tokenizer.eos_token_id not in c.token_ids
+
+
 def test_seeded_and_greedy_outputs_are_reproducible(llm):
     so = StructuredOutputsParams(json=SCHEMA)
     for params in (SamplingParams(max_tokens=60, temperature=1.0, seed=7, structured_outputs=so),

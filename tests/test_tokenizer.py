@@ -149,6 +149,14 @@ def test_end_of_text_inside_prompt_is_the_special_token(tok: Tokenizer) -> None:
     assert tok.decode([50256]) == END_OF_TEXT
 
 
+def test_ordinary_encoding_splits_special_tokens_as_transformers(tok: Tokenizer, hf) -> None:
+    """What a grammar forces is text: a special token's text is encoded as its pieces (structured outputs)."""
+    for text in (f"a{END_OF_TEXT}b", END_OF_TEXT, f"{END_OF_TEXT}{END_OF_TEXT} x", *HARD[:12]):
+        ids = tok.encode_ordinary(text)
+        assert ids == hf(text, split_special_tokens=True)["input_ids"], text
+        assert 50256 not in ids and tok.decode(ids) == text
+
+
 def test_decode_invalid_utf8_like_transformers(tok: Tokenizer, hf) -> None:
     """Random ids, mostly single bytes, cut characters everywhere: U+FFFD where transformers puts it."""
     rng = random.Random(0)

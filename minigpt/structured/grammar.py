@@ -19,8 +19,9 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 # JSON without whitespace between tokens, which a weak model could spend its tokens on
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MISSING_EXTRA = "structured outputs need llguidance: pip install minigpt[structured]"
-# In the last quarter of its max_tokens, a JSON output takes the first closing tier its grammar allows, so
-# weak weights still leave JSON that parses: a quote ending a string, brackets, a comma ending a number.
+# In the last quarter of its max_tokens (at least 16 tokens, at most half), a JSON output takes the first closing
+# tier its grammar allows, so weak weights still leave JSON that parses: a quote ending a string, brackets, a comma
+# ending a number; a schema's members take the tokens they need to close whatever the budget.
 MIN_CLOSING_TOKENS = 16
 CLOSING_TOKENS_PER_MEMBER = 6  # a schema's member takes up to ~6 tokens to write (`,"`, its name, `":`, a value)
 CLOSING_TIERS = (
@@ -49,8 +50,8 @@ class _TokenizerView:
         self.special_token_ids = [tokenizer.eos_token_id]
         self._tokenizer = tokenizer
 
-    def __call__(self, text: bytes) -> list[int]:
-        return self._tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False)
+    def __call__(self, text: bytes) -> list[int]:  # text a grammar forces: a special token's text is text there
+        return self._tokenizer.encode_ordinary(text.decode("utf-8", errors="replace"))
 
 
 class GrammarCompiler:
@@ -121,7 +122,9 @@ class GrammarCompiler:
         closing_window = 0
         if params.json is not None or params.json_object:
             members = CLOSING_TOKENS_PER_MEMBER * _num_members(params.json)
-            closing_window = max(MIN_CLOSING_TOKENS, max_tokens // 4, members)
+            # the members' need stands; the slack past it takes at most half a budget (else a short max_tokens,
+            # /v1/completions' 16, would close every string at its first token)
+            closing_window = max(members, min(max(MIN_CLOSING_TOKENS, max_tokens // 4), max_tokens // 2))
         matcher = self._llg.LLMatcher(self.tokenizer, self.compile(params), log_level=0)
         return GrammarState(self, matcher, closing_window)
 

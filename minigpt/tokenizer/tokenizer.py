@@ -131,10 +131,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens in the text encode as themselves, as in transformers ("a<|endoftext|>b" ->
         [64, 50256, 65]); the BOS token first when add_bos_token and `add_special_tokens`."""
-        ids = self.encoding.encode(text, allowed_special="all")
-        if self._rank_to_id is not None:
-            ids = [self._rank_to_id.get(r, r) for r in ids]
+        ids = self._ids(self.encoding.encode(text, allowed_special="all"))
         return self._prefix + ids if add_special_tokens else ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The text as ordinary tokens only: "<|endoftext|>" is its 7 pieces' tokens, never the special token."""
+        return self._ids(self.encoding.encode_ordinary(text))
+
+    def _ids(self, ranks: list[int]) -> list[int]:
+        return ranks if self._rank_to_id is None else [self._rank_to_id.get(r, r) for r in ranks]
 
     def token_text(self, token_id: int) -> str:
         """A token as the vocabulary writes it (" the" is "Ġthe"), as convert_ids_to_tokens gives it."""
