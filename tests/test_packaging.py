@@ -73,3 +73,12 @@ def test_the_modules_ci_imports_are_the_trees(wheel):
         installed = {name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
                      for name in archive.namelist() if name.endswith(".py")}
     assert modules == installed
+
+
+def test_minigpt_imports_quietly_without_numpy():
+    """numpy is no dependency (the design card's four packages); torch's warning at import where it is absent
+    would greet every command of a plain install."""
+    script = "import sys; sys.modules['numpy'] = None; import minigpt"
+    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True,
+                         check=False, cwd=ROOT)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
