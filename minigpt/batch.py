@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         from minigpt.batch_jobs.answer import Answerer
         from minigpt.batch_jobs.window import Window
         from minigpt.server.chat_template import ChatTemplate
+        from minigpt.server.protocol import MAX_CHOICES
     except ImportError as err:
         print(f"{name}: error: {MISSING_EXTRA} (missing: {err.name})", file=sys.stderr)
         return 2
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
     from minigpt.serving.async_engine import AsyncLLM
 
     engine_args = engine_args_from(args)
-    engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight)  # the window never overflows
+    # the window holds at most max_in_flight prompts, or one request alone (MAX_CHOICES at most): never a refusal
+    engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight, MAX_CHOICES)
     model_name = args.served_model_name or served_name(args.model)
     writer = None
     with ExitStack() as resources:

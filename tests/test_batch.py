@@ -359,6 +359,18 @@ def test_a_summary_json_that_cannot_be_written_is_refused_before_the_job(checkpo
     assert not output.exists()
 
 
+def test_a_request_of_more_prompts_than_the_window_or_the_queue_runs_alone(checkpoint, template_file, tmp_path):
+    lines = [request_line("many", "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}),
+             *job_lines(1, max_tokens=2)]
+    source, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(batch_args(checkpoint, template_file, str(source), str(output), "--quiet", "--max-in-flight", "2",
+                           "--max-waiting", "2")) == 0
+    answers = results(output)
+    assert len(answers) == len(lines) and all(a["response"]["status_code"] == 200 for a in answers.values())
+    assert len(answers["many"]["response"]["body"]["choices"]) == 5
+
+
 def test_quiet_silences_stderr_and_the_summary_counts_what_was_done(checkpoint, template_file, tmp_path, capsys):
     lines = [*job_lines(4, max_tokens=3), "not json", request_line("bad", "/v1/completions", {"prompt": 1.5})]
     source = tmp_path / "requests.jsonl"
