@@ -4,11 +4,12 @@ says what to install; bad values are refused by name; one replica and no address
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import pytest
 
 from minigpt.batch import build_parser, main
-from minigpt.replicas import options
+from minigpt.replicas import cluster, options
 
 
 @pytest.fixture
@@ -46,3 +47,28 @@ def test_replica_resources_follow_the_device():
                                                                                            "num_gpus": 1.0}
     assert options.replica_resources(parse(["-i", "i", "-o", "o", "--cpus-per-replica", "0.5"])) == {
         "num_cpus": 0.5, "num_gpus": 0.0}
+
+
+def closed_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens once it is closed
+
+
+def test_an_address_where_no_cluster_answers_is_one_line(tmp_path, capsys):
+    """ray.init would retry for minutes, printing Ray's warnings; the head's port is tried first."""
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{closed_loopback_port()}"
+    source = tmp_path / "in.jsonl"
+    source.write_text("", encoding="utf-8")
+    assert main(["-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--ray-address", address, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"minigpt.batch: error: no Ray cluster answers at --ray-address {address}: ")
+    assert err.count("\n") == 1 and not (tmp_path / "out.jsonl").exists()
+
+
+def test_only_host_port_addresses_are_tried():
+    for address in ("auto", "ray://127.0.0.1:10001", "127.0.0.1"):
+        cluster.check_reachable(address)  # left to ray.init
+    with pytest.raises(RuntimeError, match="no Ray cluster answers"):
+        cluster.check_reachable(f"127.0.0.1:{closed_loopback_port()}")

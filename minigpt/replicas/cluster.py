@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
 # Ray's single-machine mode (every address 127.0.0.1) and no usage statistics; read when ray is imported
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+CONNECT_SECONDS = 10  # for a cluster's head to accept a connection (ray.init itself retries for minutes)
 
 
 def bind_loopback() -> None:
@@ -30,11 +32,25 @@ def prepare_local_cluster() -> None:
         os.environ.setdefault(name, value)
 
 
+def check_reachable(address: str) -> None:
+    """A `host:port` address whose head accepts no connection is refused at once; `auto` and `ray://` pass."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as err:
+        raise RuntimeError(f"no Ray cluster answers at --ray-address {address}: {err.strerror or err} (start its "
+                           "head with `ray start --head`, or leave --ray-address out for a local cluster)") from None
+
+
 @contextmanager
 def ray_cluster(address: str | None, quiet: bool) -> Iterator[ModuleType]:
     """`ray` connected for the block (address None: a new local cluster); a process already connected keeps it."""
     if address is None:
         prepare_local_cluster()
+    else:
+        check_reachable(address)
     import ray
     from ray._private import ray_constants
 
