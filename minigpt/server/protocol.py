@@ -155,6 +155,9 @@ class EnginePlan:
 def completion_plan(body: CompletionRequest) -> EnginePlan:
     """The engine requests a /v1/completions body asks for; a 400 for a body the engine cannot run."""
     prompts = body.prompts()
+    if body.max_tokens == 0 and not body.echo:
+        raise invalid("max_tokens=0 scores a prompt only with echo=true (OpenAI's scoring call; add logprobs for "
+                      "each prompt token's alternatives); else max_tokens must be >= 1", "max_tokens")
     if body.use_beam_search:  # one beam search per prompt; its n best hypotheses are its choices
         return EnginePlan(prompts, body.beam_search_params(), 1 if body.n is None else body.n, body.beam_names())
     params = body.sampling_params()
@@ -206,9 +209,6 @@ class CompletionRequest(SamplingFields):
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
         if self.stream and self.logprobs is not None and self.echo:
             raise invalid("logprobs with echo are not supported with stream=true", "logprobs")
-        if self.max_tokens == 0 and not self.echo:
-            raise invalid("max_tokens=0 scores a prompt only with echo=true (OpenAI's scoring call; add logprobs "
-                          "for each prompt token's alternatives); else max_tokens must be >= 1", "max_tokens")
         top_k = self.top_k if self.top_k != -1 else 0  # vLLM spells "no top-k" as -1
         prompt_logprobs = self.logprobs if self.echo else None
         if self.echo and self.max_tokens == 0 and prompt_logprobs is None:
