@@ -4,9 +4,9 @@ says what to install; bad values are refused by name; one replica and no address
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
+from test_server import free_port
 
 from minigpt.batch import build_parser, main
 from minigpt.replicas import cluster, options
@@ -49,16 +49,10 @@ def test_replica_resources_follow_the_device():
         "num_cpus": 0.5, "num_gpus": 0.0}
 
 
-def closed_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # nothing listens once it is closed
-
-
 def test_an_address_where_no_cluster_answers_is_one_line(tmp_path, capsys):
     """ray.init would retry for minutes, printing Ray's warnings; the head's port is tried first."""
     pytest.importorskip("ray")
-    address = f"127.0.0.1:{closed_loopback_port()}"
+    address = f"127.0.0.1:{free_port()}"
     source = tmp_path / "in.jsonl"
     source.write_text("", encoding="utf-8")
     assert main(["-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--ray-address", address, "--quiet"]) == 2
@@ -71,4 +65,4 @@ def test_only_host_port_addresses_are_tried():
     for address in ("auto", "ray://127.0.0.1:10001", "127.0.0.1"):
         cluster.check_reachable(address)  # left to ray.init
     with pytest.raises(RuntimeError, match="no Ray cluster answers"):
-        cluster.check_reachable(f"127.0.0.1:{closed_loopback_port()}")
+        cluster.check_reachable(f"127.0.0.1:{free_port()}")
