@@ -10,6 +10,7 @@ import torch
 
 from minigpt.common.transfer import to_device
 from minigpt.engine.config import EngineConfig
+from minigpt.engine.decode_rows import DecodeRows
 from minigpt.engine.kv_cache import KVPool, bytes_per_token
 from minigpt.engine.sequence import Sequence
 from minigpt.model.attention import InvariantAttention, PagedAttention, PrefillSegment, StepMetadata
@@ -76,6 +77,8 @@ class ModelRunner:
         # new prompts attend in one call on a GPU (one small call each would idle it); one by one on the CPU
         self.batched_prefill = self.device.type == "cuda"
         self.decoder: DecodeBackend = EagerSteps(self)
+        self.decode_rows = DecodeRows(config.max_num_seqs, -(-model.config.n_positions // config.block_size),
+                                      self.device)
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
@@ -105,7 +108,8 @@ class ModelRunner:
         return self.model.run(input_ids, positions, attention, logits_rows)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
-        """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes."""
+        """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes in their
+        rows' order (`DecodeRows`). Its host values go to the device in one copy."""
         bs = self.config.block_size
         prefills: list[tuple[Sequence, int]] = []
         decodes: list[Sequence] = []
@@ -118,19 +122,23 @@ class ModelRunner:
         batched = len(fresh) > 1 and sum(fresh) <= MAX_BATCHED_PREFILL
         if batched:
             prefills.sort(key=lambda pair: pair[0].num_computed_tokens > 0)  # stable: those chunks first
-        tokens: list[tuple[Sequence, int]] = []  # (sequence, position) of each row
-        segments: list[PrefillSegment] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        segments: list[tuple[int, int, int, list[int], int]] = []  # PrefillSegment's fields, pages as a list
         rows: list[int] = []
         sample_seqs, sample_rows, prompt_rows = [], [], []
         for seq, chunk in prefills:
-            start, first = len(tokens), seq.num_computed_tokens
+            start, first = len(ids), seq.num_computed_tokens
             end = first + chunk
-            tokens += ((seq, p) for p in range(first, end))
+            span = range(first, end)
+            ids += (_token_at(seq, p) for p in span)
+            positions += span
+            slots += (seq.block_table[p // bs] * bs + p % bs for p in span)
             in_prompt = max(0, min(end, len(seq.prompt_token_ids)) - first)
-            pages = self._tensor(seq.block_table[: -(-end // bs)])
-            segments.append(PrefillSegment(start, chunk, end, pages, in_prompt))
+            segments.append((start, chunk, end, seq.block_table[: -(-end // bs)], in_prompt))
             if seq.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
-                wanted = [p for p in range(first, end) if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
+                wanted = [p for p in span if len(seq.prompt_logprobs) <= p + 1 < len(seq.prompt_token_ids)]
                 if wanted:
                     prompt_rows.append((seq, len(rows), wanted))
                     rows += (start + p - first for p in wanted)
@@ -139,25 +147,33 @@ class ModelRunner:
                 verified = range(end - 1 - len(seq.draft_token_ids), end)
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
-        num_prefill_tokens = len(tokens)
-        for seq in decodes:
-            sample_seqs.append(seq)
-            sample_rows.append(len(rows))
-            rows.append(len(tokens))
-            tokens.append((seq, len(seq.token_ids) - 1))
-        tables = lens = None
+        num_prefill = len(ids)
+        decodes = self.decode_rows.arrange(decodes)
         if decodes:
-            width = max(len(seq.block_table) for seq in decodes)
-            padded = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes]
-            tables = to_device(padded, torch.int32, self.device)
-            lens = to_device([len(seq.token_ids) for seq in decodes], torch.int32, self.device)
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in tokens]
+            sample_seqs += decodes
+            sample_rows += range(len(rows), len(rows) + len(decodes))
+            rows += range(num_prefill, num_prefill + len(decodes))
+            ids += [seq.token_ids[-1] for seq in decodes]
+        lens = [len(seq.token_ids) for seq in decodes]
+        page_lists = [seg[3] for seg in segments]
+        # one copy: ids, prefill positions, prefill slots, decode lengths, logits rows, then the prompts' pages
+        flat = to_device([*ids, *positions, *slots, *lens, *rows, *(b for pages in page_lists for b in pages)],
+                         torch.int64, self.device)
+        sizes = [len(ids), num_prefill, num_prefill, len(lens), len(rows), *map(len, page_lists)]
+        ids_t, positions_t, slots_t, lens_t, rows_t, *pages_t = flat.split(sizes)
+        tables = decode_lens = None
+        if decodes:
+            tables = self.decode_rows.block_tables(len(decodes))
+            decode_lens = lens_t.to(torch.int32)
+            decode_positions = lens_t - 1
+            decode_slots = tables.gather(1, (decode_positions // bs)[:, None]).squeeze(1) * bs + decode_positions % bs
+            positions_t = torch.cat([positions_t, decode_positions]) if num_prefill else decode_positions
+            slots_t = torch.cat([slots_t, decode_slots]) if num_prefill else decode_slots
+        prefill_segments = [PrefillSegment(start, chunk, end, pages, in_prompt)
+                             for (start, chunk, end, _, in_prompt), pages in zip(segments, pages_t, strict=True)]
         num_fresh = len(fresh) if batched else 0
-        meta = StepMetadata(self._tensor(slots), segments, num_prefill_tokens, tables, lens, num_fresh)
-        return StepInputs(
-            self._tensor([_token_at(seq, p) for seq, p in tokens]), self._tensor([p for _, p in tokens]), meta,
-            self._tensor(rows), sample_seqs, sample_rows, prompt_rows,
-        )
+        meta = StepMetadata(slots_t, prefill_segments, num_prefill, tables, decode_lens, num_fresh)
+        return StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's K/V; a destination listed twice takes its last source."""
@@ -176,6 +192,7 @@ class ModelRunner:
         self.pool.kv = torch.empty(0)
         self.backend.close()
         self.decoder = EagerSteps(self)
+        self.decode_rows.clear()
 
 
 def _token_at(seq: Sequence, position: int) -> int:

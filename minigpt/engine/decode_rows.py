@@ -1,0 +1,57 @@
+"""The decode rows kept from step to step (a persistent batch): a decoding sequence keeps its row while it decodes,
+and its row of the page tables is written again only when its pages change, so a steady step writes none."""
+
+from __future__ import annotations
+
+import torch
+
+from minigpt.common.transfer import to_device
+from minigpt.engine.sequence import Sequence
+
+
+class DecodeRows:
+    """Page tables [rows, max_pages] int32 on the device; row i is `seqs[i]`'s."""
+
+    def __init__(self, max_rows: int, max_pages: int, device: torch.device) -> None:
+        self.tables = torch.zeros(max_rows, max_pages, dtype=torch.int32, device=device)
+        self.seqs: list[Sequence] = []
+        self.pages: list[list[int] | None] = []  # each row's table as written there; None: to write
+
+    def arrange(self, decodes: list[Sequence]) -> list[Sequence]:
+        """`decodes` in row order, their tables written: a sequence that left gives its row to the last row's."""
+        wanted = set(decodes)
+        seqs, pages = self.seqs, self.pages
+        if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten
+            self.tables = self.tables.new_zeros(2 * len(wanted), self.tables.shape[1])
+            pages[:] = [None] * len(pages)
+        row = 0
+        while row < len(seqs):
+            if seqs[row] in wanted:
+                row += 1
+                continue
+            seqs[row], pages[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
+            seqs.pop()
+            pages.pop()
+        if len(seqs) < len(wanted):
+            kept = set(seqs)
+            for seq in decodes:
+                if seq not in kept:
+                    seqs.append(seq)
+                    pages.append(None)
+        stale = [row for row, seq in enumerate(seqs) if pages[row] != seq.block_table]
+        if stale:
+            width = self.tables.shape[1]
+            tables = [seqs[row].block_table + [0] * (width - len(seqs[row].block_table)) for row in stale]
+            device = self.tables.device
+            self.tables[to_device(stale, torch.int64, device)] = to_device(tables, torch.int32, device)
+            for row in stale:
+                pages[row] = list(seqs[row].block_table)
+        return list(seqs)
+
+    def block_tables(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, the widest table's pages] of the rows `arrange` laid out."""
+        return self.tables[:num_rows, : max(map(len, self.pages[:num_rows]))].contiguous()
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.pages.clear()
