@@ -1,5 +1,6 @@
 """One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool), its text
-so far (ending before the first stop string, as OpenAI's does) and why it stopped."""
+so far (ending before the first stop string, as OpenAI's does) and why it stopped. The text is decoded as it is
+read, off the step's path, except where stop strings need it at every token."""
 
 from __future__ import annotations
 
@@ -68,7 +69,10 @@ class Sequence:
         # speculation: tokens drafted for this step (verified after the last token), and counters
         self.draft_token_ids: list[int] = []
         self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.text = ""
+        self._text = ""
+        self._num_decoded = 0  # output tokens in _text
+        self._text_end: int | None = None  # output tokens the text covers, where a last one is not its (None: all)
+        self._flush_pending = False  # finished with the decoder's tail still to add to the text
         self.num_streamed_chars = 0
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
@@ -92,16 +96,15 @@ class Sequence:
         return self.params.max_tokens == 0
 
     def finish_scoring(self) -> None:
-        self._finish("length", "")
+        self._finish("length", flush=False)
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        now = time.perf_counter()
         if self.timings.first_token is None:
-            self.timings.first_token = now
+            self.timings.first_token = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
@@ -109,48 +112,63 @@ class Sequence:
         grammar_done = False
         if self.grammar is not None:
             if not self.grammar.advance(token_id):
+                self._text_end = len(self.output_token_ids) - 1
                 self.fail(f"token {token_id} does not fit the structured output's grammar: {self.grammar.error}")
                 return
             grammar_done = self.grammar.complete
         stopped = token_id in self._stop_ids or (grammar_done and token_id in self._eos_ids)
         if stopped and len(self.output_token_ids) > self.params.min_tokens:
-            self._finish("stop", self._decoder.flush())
+            self._text_end = len(self.output_token_ids) - 1  # the stop token is not text
+            self._finish("stop")
             return
-        self._extend_text(self._decoder.feed(token_id))
-        if self.finished:
-            return
+        if self._stops is not None:
+            self._scan_stop_strings()
+            if self.finished:
+                return
         if grammar_done:
-            self._finish("stop", self._decoder.flush())
+            self._finish("stop")
         elif len(self.token_ids) >= self.max_len:
-            self._finish("length", self._decoder.flush())
+            self._finish("length")
 
-    def _extend_text(self, delta: str) -> None:
-        start = len(self.text)
-        self.text += delta
-        if self._stops is None:
-            return
+    @property
+    def text(self) -> str:
+        """The output's text so far, decoded up to its last token now."""
+        ids = self.output_token_ids
+        end = len(ids) if self._text_end is None else self._text_end
+        if self._num_decoded < end:
+            self._text += self._decoder.feed_all(ids[self._num_decoded : end])
+            self._num_decoded = end
+        if self._flush_pending:
+            self._text += self._decoder.flush()
+            self._flush_pending = False
+        return self._text
+
+    def _scan_stop_strings(self) -> None:
+        start = len(self._text)
+        delta = self.text[start:]
         find = len(self.output_token_ids) > self.params.min_tokens
         self._stop_state, index = self._stops.scan(self._stop_state, delta, find)
         if index is not None:
-            self.text = self.text[: start + index]
-            self._finish("stop", "")
+            self._text = self._text[: start + index]
+            self._finish("stop", flush=False)
 
-    def _finish(self, reason: str, tail: str) -> None:
-        self.text += tail
+    def _finish(self, reason: str, flush: bool = True) -> None:
+        """`flush`: the text ends with what the decoder still holds (half a character, replaced)."""
+        self._flush_pending = flush
         self.finish_reason = reason
         self.status = Status.FINISHED
         self.timings.finished = time.perf_counter()
 
     def fail(self, message: str) -> None:
         self.error = message
-        self._finish("error", "")
+        self._finish("error", flush=False)
 
     def abort(self) -> None:
-        self._finish("abort", "")
+        self._finish("abort", flush=False)
 
     def take_text_delta(self) -> str:
         """Text not yet streamed, holding back a tail that may still become a stop string."""
-        end = len(self.text)
+        end = len(self.text)  # decodes what is new
         if not self.finished and self._stops is not None:
             end -= self._stops.held[self._stop_state]
         delta = self.text[self.num_streamed_chars : end]

@@ -170,6 +170,10 @@ class IncrementalDecoder:
     def feed(self, token_id: int) -> str:
         return self._utf8.decode(self._tokenizer.decode_bytes((token_id,)))
 
+    def feed_all(self, token_ids: list[int]) -> str:
+        """What feeding each in turn gives, joined."""
+        return self._utf8.decode(self._tokenizer.decode_bytes(token_ids))
+
     def copy(self) -> IncrementalDecoder:
         twin = IncrementalDecoder(self._tokenizer)
         twin._utf8.setstate(self._utf8.getstate())
