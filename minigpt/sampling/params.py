@@ -27,13 +27,22 @@ def is_real(value: Any) -> bool:
 _bad = functools.partial(ParamError.must_be, "SamplingParams")
 
 
+def penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def biased(p: SamplingParams) -> bool:
+    return p.logit_bias is not None or p.allowed_token_ids is not None
+
+
 @dataclass
 class SamplingParams:
     """Checked when built and again on submission, where the engine takes its own copy. temperature below 1e-5
     is greedy (dividing by less overflows float32); top_k=0 is off. `logprobs` / `prompt_logprobs`: top
     alternatives per generated / prompt token (0: the token's own only); `max_tokens=0` with `prompt_logprobs`
     scores the prompt. `logit_bias` and `allowed_token_ids` act before any penalty. `structured_outputs` takes
-    neither min_tokens nor allowed_token_ids, which could leave no token the grammar allows."""
+    neither min_tokens nor allowed_token_ids, which could leave no token the grammar allows. `argmax_only`
+    (set when built): greedy with nothing that changes the logits or asks for logprobs."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -87,6 +96,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids, min_len=1)
         self._check_structured_outputs()
+        # the engine's copy is built anew on submission (dataclasses.replace), so this holds for it
+        self.argmax_only = (self.greedy and self.logprobs is None and not self.min_tokens and not penalised(self)
+                            and not biased(self))
 
     def _check_structured_outputs(self) -> None:
         if self.structured_outputs is None:

@@ -28,14 +28,6 @@ class SamplingRow(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
 
-def penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-
-
-def biased(p: SamplingParams) -> bool:
-    return p.logit_bias is not None or p.allowed_token_ids is not None
-
-
 def bias(x: Tensor, params: list[SamplingParams]) -> Tensor:
     """logit_bias added, then ids outside allowed_token_ids at -inf; ids >= vocab dropped; out of place."""
     vocab = x.shape[1]

@@ -16,18 +16,8 @@ from torch import Tensor
 
 from minigpt.sampling.bitmask import apply_bitmask
 from minigpt.sampling.generator import gumbel_argmax
-from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, is_int
-from minigpt.sampling.processors import (
-    SamplingRow,
-    bias,
-    biased,
-    on_rows,
-    penalise,
-    penalised,
-    suppress,
-    tensor_like,
-    warp,
-)
+from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, biased, is_int, penalised
+from minigpt.sampling.processors import SamplingRow, bias, on_rows, penalise, suppress, tensor_like, warp
 
 
 class GrammarMask(NamedTuple):
@@ -66,12 +56,13 @@ class Sampler:
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None
                  ) -> SamplerOutput:
         """logits: [len(rows), vocab], any float dtype."""
+        if grammar is None and all(row.params.argmax_only for row in rows):
+            _check_shape(logits, rows)
+            # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
+            return SamplerOutput(argmax(logits[:, : self.vocab_limit].float()).tolist())
         batch = self._batch(logits, rows, grammar)
         params, sampled = batch.params, batch.sampled
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not (sampled or asked or batch.penalised or batch.biased or any(batch.suppressed) or grammar):
-            # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
-            return SamplerOutput(argmax(batch.logits.float()).tolist())
 
         x = self._process(batch)
         seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) for row in rows]
@@ -97,8 +88,7 @@ class Sampler:
         return self._process(self._batch(logits, rows, grammar))
 
     def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None) -> _Batch:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+        _check_shape(logits, rows)
         params = [row.params for row in rows]
         return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
                       any(penalised(p) for p in params), any(biased(p) for p in params),
@@ -121,6 +111,11 @@ class Sampler:
         if len(row.output_token_ids) >= p.min_tokens:
             return []
         return sorted({*(i for i in p.stop_token_ids if i < self.vocab_limit), *self._maskable_eos})
+
+
+def _check_shape(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
 
 
 class _Batch(NamedTuple):
