@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import replace
 
 import torch
@@ -18,11 +19,13 @@ from minigpt.sampling import SamplingParams
 
 
 def plug_beam_search(engine: Engine) -> None:
-    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine))
-    engine.steps.append(BeamStep(engine))
+    beam_step = BeamStep(engine)
+    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine, beam_step.live))
+    engine.steps.append(beam_step)
 
 
-def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) -> BeamGroup:
+def make_beam_group(engine: Engine, live: weakref.WeakSet[BeamGroup], prompt: Prompt,
+                    params: BeamSearchParams) -> BeamGroup:
     if engine.speculator is not None:
         raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
     params = replace(params)
@@ -34,6 +37,7 @@ def make_beam_group(engine: Engine, prompt: Prompt, params: BeamSearchParams) ->
     if group.num_candidates > vocab:  # each step ranks num_candidates tokens of every beam
         raise ParamError("BeamSearchParams", "beam_width", f"must be at most {vocab // per_beam} (a step ranks "
                          f"{per_beam} x beam_width of the {vocab} tokens), got {params.beam_width}")
+    live.add(group)
     return group
 
 
@@ -42,10 +46,15 @@ class BeamStep:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.live: weakref.WeakSet[BeamGroup] = weakref.WeakSet()  # the groups built and not finished
 
     def __call__(self, step: Step) -> None:
-        requests = self.engine.requests
-        beams, rows = step.take(lambda seq: isinstance(requests.get(seq.request_id), BeamGroup))
+        if not self.live:
+            return
+        for group in [group for group in self.live if group.finished]:
+            self.live.discard(group)
+        ids = {group.request_id for group in self.live}
+        beams, rows = step.take(lambda seq: seq.request_id in ids)
         if beams:
             self._advance(beams, step.logits[self.engine.device_rows(rows)])
 

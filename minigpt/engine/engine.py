@@ -95,7 +95,7 @@ class Engine:
         except Exception as err:
             self._fail(batch, err)
             raise
-        self._retire(seq.request_id for seq in updated)
+        self._retire(seq.request_id for seq in updated if seq.finished)
         sampled = inputs.sample_seqs
         num_tokens = sum(len(seq.output_token_ids) for seq in sampled) - generated
         self.num_steps += 1
@@ -132,9 +132,11 @@ class Engine:
         return step.updated + inputs.sample_seqs
 
     def _account_computed(self, step: Step) -> None:
+        full = self.blocks.block_size if self.blocks.enable_prefix_caching else None
         for seq, chunk in step.batch.chunks:
             seq.num_computed_tokens += chunk - len(seq.draft_token_ids)  # drafts count once verified
-            self.blocks.register_full_blocks(seq)
+            if full is not None and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * full:
+                self.blocks.register_full_blocks(seq)
 
     def _record_prompt_logprobs(self, step: Step) -> None:
         for seq, row, positions in step.inputs.prompt_logprob_rows:
@@ -158,6 +160,12 @@ class Engine:
         spec = self.speculator
         out = self.sampler(logits, spec.sampling_rows(step.seqs) if spec else step.seqs, step.grammar)
         logprobs = out.logprobs or [None] * len(out.token_ids)
+        if spec is None:  # a row a sequence
+            for seq, token, token_logprobs in zip(step.seqs, out.token_ids, logprobs, strict=True):
+                seq.append(token, token_logprobs)
+                if seq.finished:
+                    self._finish(seq)
+            return
         row = 0
         for seq in step.seqs:
             rows = slice(row, row + 1 + len(seq.draft_token_ids))

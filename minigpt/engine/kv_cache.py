@@ -127,6 +127,10 @@ class BlockManager:
             self.ref_counts[block] += 1
         return list(block_table)
 
+    def has_room(self, block_table: list[int], position: int, num_tokens: int) -> bool:
+        """True when the table's own pages already hold positions `position`..`num_tokens` - 1."""
+        return num_tokens <= len(block_table) * self.block_size and not self.shares(block_table, position)
+
     def shares(self, block_table: list[int], position: int) -> bool:
         index = position // self.block_size
         return index < len(block_table) and self.ref_counts[block_table[index]] > 1

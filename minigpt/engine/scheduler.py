@@ -42,24 +42,28 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0 or not seq.num_uncomputed_tokens:
+            uncomputed = seq.num_uncomputed_tokens
+            if seq.status is not Status.RUNNING or budget == 0 or not uncomputed:
                 continue  # preempted earlier in this loop, no budget left, or a beam waiting for its siblings
-            chunk = min(seq.num_uncomputed_tokens, budget)
+            chunk = min(uncomputed, budget)
             if not self._make_room(seq, seq.num_computed_tokens + chunk, batch):
                 continue  # seq preempted itself
             batch.chunks.append((seq, chunk))
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
-        idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
-        while not batch.chunks and self.waiting and idle:  # waiting beams' siblings hold the pages they need
-            self._preempt(idle.pop(), batch, front=False)
-            self._admit(batch, budget)
+        if not batch.chunks and self.waiting:  # waiting beams' siblings hold the pages they need
+            idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
+            while not batch.chunks and self.waiting and idle:
+                self._preempt(idle.pop(), batch, front=False)
+                self._admit(batch, budget)
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Grow seq's pages to `num_tokens`, preempting newer sequences while blocks are short."""
         first = seq.num_computed_tokens
+        if self.blocks.has_room(seq.block_table, first, num_tokens):
+            return True
         while not self.blocks.can_allocate(
             self.blocks.blocks_needed(num_tokens) - len(seq.block_table) + self.blocks.shares(seq.block_table, first)
         ):
