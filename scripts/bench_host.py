@@ -1,0 +1,117 @@
+"""The engine's host time per decode step: everything `Engine.step` does but the model's forward.
+
+    python scripts/bench_host.py                          # batches 1, 64, 256
+    python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
+
+A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (random weights, written to a temporary folder) keeps
+the model's own time small; the time inside the runner's `run` is measured and taken out. Each batch decodes
+`--steps` greedy steps after its prompts are in, `--repeats` times on fresh requests: the median is printed with
+the spread, and the CPU class. Before/after: run the same command with PYTHONPATH at another checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minigpt import LLM, SamplingParams
+from minigpt.common import cpu_class
+from minigpt.model.checkpoint import preset_config, random_model, write_checkpoint
+from minigpt.tokenizer.tokenizer import gpt2_vocab_files
+
+PROMPT_LEN = 8
+WARM_STEPS = 8
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    config = preset_config("gpt2", n_layer=1, n_head=1, n_embd=64, vocab_size=1024)
+    return write_checkpoint(random_model(config), folder / "tiny", gpt2_vocab_files())
+
+
+class ModelClock:
+    """Seconds spent inside `runner.run` since the last `take()`."""
+
+    def __init__(self, runner) -> None:
+        self.seconds = 0.0
+        run = runner.run
+
+        def timed(inputs):
+            start = time.perf_counter()
+            try:
+                return run(inputs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        runner.run = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def measure(llm: LLM, clock: ModelClock, batch: int, steps: int) -> tuple[float, float]:
+    """(host, model) seconds per decode step of `batch` sequences."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=WARM_STEPS + steps + 2, ignore_eos=True, temperature=0.0)
+    requests = [engine.make_request([(7 * i + j) % 1000 for j in range(PROMPT_LEN)], params) for i in range(batch)]
+    for request in requests:
+        engine.add(request)
+    while any(seq.num_computed_tokens < PROMPT_LEN for r in requests for seq in r.seqs):
+        engine.step()
+    for _ in range(WARM_STEPS):
+        engine.step()
+    clock.take()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    model = clock.take()
+    for request in requests:
+        engine.abort(request)
+    return (wall - model) / steps, model / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per repetition")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
+    with tempfile.TemporaryDirectory() as folder:
+        llm = LLM(str(tiny_checkpoint(Path(folder))), max_num_seqs=max(batches), num_threads=args.threads,
+                  kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
+        clock = ModelClock(llm.engine.runner)
+        results = {}
+        for batch in batches:
+            runs = [measure(llm, clock, batch, args.steps) for _ in range(args.repeats)]
+            host = sorted(h * 1e6 for h, _ in runs)
+            model = statistics.median(m * 1e6 for _, m in runs)
+            results[batch] = {"host_us": statistics.median(host), "host_min_us": host[0], "host_max_us": host[-1],
+                              "model_us": model}
+            print(f"batch {batch:4d}: host {statistics.median(host):8.1f} us a step ({host[0]:.1f}-{host[-1]:.1f}), "
+                  f"model {model:8.1f} us", flush=True)
+        llm.close()
+    described = cpu_class.describe()
+    print(f"CPU class {described}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"medians of {args.repeats} x {args.steps} steps")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"cpu_class": described, "steps": args.steps, "repeats": args.repeats,
+                                         "batches": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
