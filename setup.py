@@ -8,5 +8,8 @@ setup(
     packages=find_packages(include=["minigpt", "minigpt.*"])
     + ["minigpt." + name for name in find_packages(include=["kernels", "kernels.*"])],
     package_dir={"minigpt.kernels": "kernels"},
-    package_data={"minigpt.kernels": ["*.cpp"]},  # C++ sources, built where they run (minigpt/compile/native.py)
+    package_data={
+        "minigpt.kernels": ["*.cpp"],  # C++ sources, built where they run (minigpt/compile/native.py)
+        "minigpt": ["demo_model/*"],  # the demo model, its tokenizer, card and held-out text (minigpt/demo.py)
+    },
 )

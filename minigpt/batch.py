@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import PREFIX, log_to_stderr
+from minigpt.demo import add_model_argument, model_or_demo
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.options import MISSING_RAY, add_replica_arguments, ray_missing, replica_problem, uses_ray
 from minigpt.serve import MISSING_EXTRA, served_name
@@ -44,7 +45,7 @@ def build_parser(prog: str = "python -m minigpt.batch") -> argparse.ArgumentPars
     parser = OneLineParser(prog=prog, description="Answer a file of OpenAI Batch requests (/v1/completions, "
                            "/v1/chat/completions) into a file of results; rerun to resume. Needs the server extra: "
                            'pip install "minigpt[server]".')
-    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    add_model_argument(parser)
     parser.add_argument("-i", "--input", required=True, metavar="FILE",
                         help="requests, one JSON line each ('-': stdin)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
@@ -66,6 +67,7 @@ def build_parser(prog: str = "python -m minigpt.batch") -> argparse.ArgumentPars
 def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.model = model_or_demo(args.model, prog)
     name = prog.removeprefix("python -m ")
     if args.max_in_flight < 1:
         parser.error(f"--max-in-flight must be a positive number, got {args.max_in_flight}")

@@ -1,5 +1,5 @@
 """The command lines' shared pieces (one-line errors, engine flags generated from EngineConfig, fields named by
-their flags) and the console command `minigpt generate | serve | precompile | batch ...`."""
+their flags) and the console command `minigpt generate | serve | precompile | batch | perplexity ...`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ COMMANDS = {
     "serve": ("minigpt.serve", "serve a model over the OpenAI API (the server extra)"),
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
     "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
+    "perplexity": ("minigpt.perplexity", "a model's perplexity on a text file, in windows of its context"),
 }
 # what a command reports in one line with exit code 2: bad arguments or checkpoint, no memory, a failed compile
 class OneLineParser(argparse.ArgumentParser):

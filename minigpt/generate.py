@@ -13,6 +13,7 @@ from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
 from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.errors import USER_ERRORS, ParamError
 from minigpt.common.progress import log_to_stderr
+from minigpt.demo import add_model_argument, model_or_demo
 from minigpt.engine.request import RequestOutput
 from minigpt.llm import LLM
 from minigpt.sampling import SamplingParams
@@ -30,7 +31,7 @@ BEAM_FLAGS = ("length_penalty", "early_stopping")  # beam search's own flags, be
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description="Generate text with GPT-2.")
-    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    add_model_argument(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompts-file", help="a file with one prompt per line, blank lines skipped ('-' reads stdin)")
@@ -171,6 +172,7 @@ def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.model = model_or_demo(args.model, prog)
     if not args.quiet:
         log_to_stderr(logging.INFO)
     try:

@@ -10,17 +10,19 @@ from minigpt.assemble.engine import build_engine
 from minigpt.beam.params import BeamSearchOutput, BeamSearchParams
 from minigpt.common.errors import ParamError
 from minigpt.common.progress import Progress
+from minigpt.demo import model_or_demo
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.request import EngineRequest, Prompt, Request, RequestOutput
 from minigpt.sampling import SamplingParams
 
 
 class LLM:
-    """A GPT-2 engine: `model` a hub id or a checkpoint directory, `engine_args` EngineConfig's fields."""
+    """A GPT-2 engine: `model` a hub id or a checkpoint directory (None: the demo model shipped with minigpt),
+    `engine_args` EngineConfig's fields."""
 
-    def __init__(self, model: str, **engine_args) -> None:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs("LLM", engine_args)
-        self.engine = build_engine(model, self.config)
+        self.engine = build_engine(model_or_demo(model, "LLM"), self.config)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.RLock()  # re-entrant: generate() inside a stream() loop must not deadlock
         self._closed = False

@@ -18,14 +18,16 @@ import time
 from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import log_to_stderr
+from minigpt.demo import add_model_argument, model_or_demo
 from minigpt.llm import LLM
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minigpt.precompile") -> int:
     parser = OneLineParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    add_model_argument(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    args.model = model_or_demo(args.model, prog)
     log_to_stderr(logging.INFO)
     engine_args = {**engine_args_from(args), "compile": True}
     start = time.perf_counter()

@@ -23,6 +23,7 @@ from pathlib import Path
 from minigpt.cli import OneLineParser, add_engine_arguments, engine_args_from, flag_error_line
 from minigpt.common.errors import USER_ERRORS
 from minigpt.common.progress import log_to_stderr
+from minigpt.demo import add_model_argument, model_or_demo
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.options import (
     MISSING_RAY,
@@ -42,7 +43,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description="Serve GPT-2 over the OpenAI API.")
-    parser.add_argument("--model", default="gpt2", help="hub id (gpt2, gpt2-medium, ...) or a local checkpoint dir")
+    add_model_argument(parser)
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     http.add_argument("--port", type=port_number, default=8000)
@@ -108,6 +109,7 @@ def check_can_listen(host: str, port: int) -> None:
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.model = model_or_demo(args.model, prog)
     if args.max_body_bytes < 1:
         parser.error("--max-body-bytes must be a positive number of bytes")
     if not args.read_timeout > 0:

@@ -1,0 +1,87 @@
+"""The quality table of docs/quality.md: the demo model's (or any checkpoint's) perplexity on a held-out file in
+each engine mode against transformers float32 on the same weights, and each mode's greedy agreement with float32.
+
+    python scripts/quality.py [--model DIR] [--file minigpt/demo_model/held_out.txt]
+
+Greedy agreement: the share of generated positions whose token equals float32's, over PROMPTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from minigpt import LLM, SamplingParams
+from minigpt.demo import DEMO_MODEL
+from minigpt.perplexity import END_OF_TEXT, Result, windows
+from minigpt.perplexity import score as engine_score
+
+MODES = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "float16": {"dtype": "float16"},
+    "int8": {"quantize": "int8"},
+    "w8a8": {"quantize": "w8a8"},
+    "KV cache float16": {"kv_cache_dtype": "float16"},
+    "KV cache bfloat16": {"kv_cache_dtype": "bfloat16"},
+}
+PROMPTS = ["The ", "A function is", "When the", "In Python, a class", "If the value", "This module provides",
+           "The following example", "An exception"]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    same = sum(a == b for ref, out in zip(reference, other, strict=True) for a, b in zip(ref, out, strict=False))
+    return same / sum(len(ref) for ref in reference)
+
+
+@torch.no_grad()
+def transformers_score(model_dir: str, ids: list[int], context: int, stride: int) -> Result:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for window in windows(len(ids), context, stride):
+        chunk = torch.tensor([ids[window.begin:window.end]])
+        logprobs = torch.log_softmax(model(chunk).logits[0].float(), dim=-1)
+        for position in range(window.first_scored, window.end):
+            nll -= logprobs[position - window.begin - 1, ids[position]].item()
+            count += 1
+    return Result(nll, count)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEMO_MODEL)
+    parser.add_argument("--file", default=f"{DEMO_MODEL}/held_out.txt")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32, help="generated tokens per prompt")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    text = open(args.file, encoding="utf-8").read()
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows, reference = [], None
+    for name, engine_args in MODES.items():
+        with LLM(args.model, num_threads=1, **engine_args) as llm:
+            ids = llm.tokenizer.encode(END_OF_TEXT) + llm.tokenizer.encode_ordinary(text)
+            result = engine_score(llm, ids, args.context, args.stride)
+            tokens = [out.token_ids for out in llm.generate(PROMPTS, greedy, progress=False)]
+        reference = reference or tokens
+        rows.append((name, result.perplexity, agreement(reference, tokens)))
+    hf = transformers_score(args.model, ids, args.context, args.stride)
+    base = rows[0][1]
+    print(f"{result.tokens} tokens, windows of {args.context}, stride {args.stride}; "
+          f"greedy over {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")
+    print("| mode | perplexity | vs minigpt float32 | greedy agreement with float32 |")
+    print("|---|---|---|---|")
+    print(f"| transformers float32 | {hf.perplexity:.4f} | {hf.perplexity / base - 1:+.4%} | |")
+    for name, ppl, agree in rows:
+        print(f"| minigpt {name} | {ppl:.4f} | {ppl / base - 1:+.4%} | {agree:.1%} |")
+    return 0 if math.isfinite(base) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
