@@ -3,8 +3,9 @@
     minigpt perplexity --model M --file minigpt/demo_model/held_out.txt [--context 256 --stride 128 --dtype ...]
 
 The file is one token stream (after an <|endoftext|>, so its first token is scored too), cut into windows of
---context tokens that start --stride tokens apart; each token is scored once, in the first window that holds it
-after the window's own first token, through the engine's prompt scoring (max_tokens=0 with prompt_logprobs), so
+--context tokens that start --stride tokens apart (one token less where the stride is the whole window: a
+window's first token is the one before the next to score); each token is scored once, in the first window that
+holds it after the window's own first token, through the engine's prompt scoring (max_tokens=0 with prompt_logprobs), so
 every engine flag (--dtype, --quantize, --kv-cache-dtype, --compile) is measured as it serves.
 """
 
@@ -47,13 +48,12 @@ def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
         raise ValueError(f"need context >= 2 and 1 <= stride <= context, got context={context}, stride={stride}")
     if n_tokens < 2:
         raise ValueError("the text is too short to score: it needs at least one token")
-    out, scored_to = [], 1
-    for begin in range(0, n_tokens - 1, stride):
+    out, begin, scored_to = [], 0, 1
+    while scored_to < n_tokens:
         end = min(begin + context, n_tokens)
         out.append(Window(begin, end, max(scored_to, begin + 1)))
         scored_to = end
-        if end == n_tokens:
-            break
+        begin = min(begin + stride, end - 1)  # a window's first token is never scored: the next one holds it
     return out
 
 
