@@ -1,5 +1,6 @@
 """The quality table of docs/quality.md: the demo model's (or any checkpoint's) perplexity on a held-out file in
-each engine mode against transformers float32 on the same weights, and each mode's greedy agreement with float32.
+each engine mode against transformers float32 on the same weights (and CTranslate2 float32 / int8 where it is
+installed), and each mode's greedy agreement with float32.
 
     python scripts/quality.py [--model DIR] [--file minigpt/demo_model/held_out.txt]
 
@@ -9,8 +10,11 @@ Greedy agreement: the share of generated positions whose token equals float32's,
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -27,6 +31,7 @@ MODES = {
     "w8a8": {"quantize": "w8a8"},
     "KV cache float16": {"kv_cache_dtype": "float16"},
     "KV cache bfloat16": {"kv_cache_dtype": "bfloat16"},
+    "fast mode (w8a8, compiled, KV float16)": {"quantize": "w8a8", "compile": True, "kv_cache_dtype": "float16"},
 }
 PROMPTS = ["The ", "A function is", "When the", "In Python, a class", "If the value", "This module provides",
            "The following example", "An exception"]
@@ -52,6 +57,27 @@ def transformers_score(model_dir: str, ids: list[int], context: int, stride: int
     return Result(nll, count)
 
 
+def ctranslate2_score(model_dir: str, ids: list[int], context: int, stride: int, quantization: str) -> Result | None:
+    """CTranslate2 on the same checkpoint, converted here; None where ctranslate2 is not installed."""
+    try:
+        import ctranslate2
+        from ctranslate2.converters import TransformersConverter
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as converted:
+        TransformersConverter(model_dir).convert(converted, quantization=quantization, force=True)
+        generator = ctranslate2.Generator(converted, device="cpu", compute_type=quantization, intra_threads=1)
+        vocabulary = json.loads((Path(converted) / "vocabulary.json").read_text("utf-8"))  # token strings by id
+        plan = windows(len(ids), context, stride)
+        results = generator.score_batch([[vocabulary[i] for i in ids[w.begin:w.end]] for w in plan])
+    nll, count = 0.0, 0
+    for window, result in zip(plan, results, strict=True):
+        for position in range(window.first_scored, window.end):
+            nll -= result.log_probs[position - window.begin - 1]  # log_probs[j]: token j + 1 given the ones before
+            count += 1
+    return Result(nll, count)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEMO_MODEL)
@@ -72,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference or tokens
         rows.append((name, result.perplexity, agreement(reference, tokens)))
     hf = transformers_score(args.model, ids, args.context, args.stride)
+    peers = [(f"CTranslate2 {kind}", ctranslate2_score(args.model, ids, args.context, args.stride, kind))
+             for kind in ("float32", "int8")]
     base = rows[0][1]
     print(f"{result.tokens} tokens, windows of {args.context}, stride {args.stride}; "
           f"greedy over {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")
@@ -80,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| transformers float32 | {hf.perplexity:.4f} | {hf.perplexity / base - 1:+.4%} | |")
     for name, ppl, agree in rows:
         print(f"| minigpt {name} | {ppl:.4f} | {ppl / base - 1:+.4%} | {agree:.1%} |")
+    for name, result in peers:
+        if result is None:
+            print(f"| {name} | not installed (`pip install ctranslate2`) | | |")
+        else:
+            print(f"| {name} | {result.perplexity:.4f} | {result.perplexity / base - 1:+.4%} | |")
     return 0 if math.isfinite(base) else 1
 
 

@@ -4,6 +4,7 @@ weights (docs/quality.md has the full-file numbers; these use the held-out file'
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +17,18 @@ from minigpt.demo import DEMO_MODEL
 from minigpt.perplexity import END_OF_TEXT, Result, score, windows
 
 HELD_OUT = Path(DEMO_MODEL) / "held_out.txt"
+README = Path(__file__).resolve().parents[1] / "README.md"
 CONTEXT, STRIDE, TOKENS = 64, 32, 640
 PROMPTS = ["The ", "A function is", "When the", "In Python, a class"]
-# bounds on the relative perplexity change against float32, and on greedy agreement with it
+# bounds on the relative perplexity change against float32, and on greedy agreement with it: several times what
+# these windows and prompts measured on a Xeon at its AVX-512 class and forced to AVX2 (docs/quality.md)
 MODES = {
-    "bfloat16": ({"dtype": "bfloat16"}, 0.02, 0.6),
-    "float16": ({"dtype": "float16"}, 0.005, 0.8),
-    "int8": ({"quantize": "int8"}, 0.02, 0.6),
-    "w8a8": ({"quantize": "w8a8"}, 0.03, 0.6),
-    "kv float16": ({"kv_cache_dtype": "float16"}, 0.002, 0.9),
-    "kv bfloat16": ({"kv_cache_dtype": "bfloat16"}, 0.01, 0.7),
+    "bfloat16": ({"dtype": "bfloat16"}, 0.002, 0.6),
+    "float16": ({"dtype": "float16"}, 0.001, 0.7),
+    "int8": ({"quantize": "int8"}, 0.005, 0.6),
+    "w8a8": ({"quantize": "w8a8"}, 0.005, 0.7),
+    "kv float16": ({"kv_cache_dtype": "float16"}, 0.0005, 0.9),
+    "kv bfloat16": ({"kv_cache_dtype": "bfloat16"}, 0.001, 0.8),
 }
 
 
@@ -55,12 +58,17 @@ def test_the_windows_score_every_token_but_the_first_once():
 
 
 def test_generate_with_no_model_runs_the_demo_model_and_says_so():
-    result = subprocess.run([sys.executable, "-m", "minigpt.generate", "--prompt", "The ", "--max-new-tokens",
-                             "12", "--temperature", "0", "--threads", "1"], capture_output=True, text=True, check=False)
+    """The README's quick-start line, as it writes it."""
+    lines = README.read_text("utf-8").splitlines()
+    line = next(line for line in lines if line.startswith("python -m minigpt.generate"))
+    command = shlex.split(line)
+    prompt = command[command.index("--prompt") + 1]
+    result = subprocess.run([sys.executable, *command[1:], "--threads", "1"], capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 0, result.stderr
     assert f"using the demo model {DEMO_MODEL}" in result.stderr
     words = result.stdout.split()
-    assert result.stdout.startswith("The ") and len(words) >= 6
+    assert result.stdout.startswith(prompt) and len(words) >= 15
     assert sum(word.strip(".,:;()'\"").isalpha() for word in words) >= len(words) // 2  # words, not byte soup
 
 
