@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from minigpt import LLM, AsyncLLM, QueueFullError, SamplingParams, StreamDelta
+from minigpt import LLM, AsyncLLM, BeamSearchParams, QueueFullError, SamplingParams, StreamDelta
 from minigpt.engine.request import RequestOutput
 
 TEXTS = ["Hello, world", "日本語のテキスト 🎉", "🙂🙃 emoji 🚀", "中文提示：你好", "The quick brown fox", "x"]
@@ -342,3 +342,30 @@ def test_num_threads_is_restored_in_the_caller_s_thread_on_close(tiny_checkpoint
     assert torch.get_num_threads() == before + 1
     llm.close()
     assert torch.get_num_threads() == before
+
+
+def test_beam_searches_submitted_from_threads_while_beams_run_get_what_they_get_alone(async_llm, tiny_checkpoint):
+    """A beam group is built in its caller's thread while the engine thread steps the groups already running."""
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(7 + i, 12 + 2 * i)) for i in range(6)]
+    with LLM(str(tiny_checkpoint)) as llm:
+        want = [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, params)]
+    llm = async_llm()
+    results: list = [None] * (len(prompts) * 3)
+
+    def client(i: int) -> None:
+        try:
+            handle = llm.submit_beam_search(prompts[i % len(prompts)], params)
+            results[i] = [o.token_ids for o in handle.result().outputs]
+        except BaseException as err:  # reported by the main thread
+            results[i] = err
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, result in enumerate(results):
+        assert not isinstance(result, BaseException), result
+        assert result == want[i % len(prompts)]
+    _assert_idle(llm)

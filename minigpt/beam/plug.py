@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -20,11 +22,11 @@ from minigpt.sampling import SamplingParams
 
 def plug_beam_search(engine: Engine) -> None:
     beam_step = BeamStep(engine)
-    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine, beam_step.live))
+    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine, beam_step.track))
     engine.steps.append(beam_step)
 
 
-def make_beam_group(engine: Engine, live: weakref.WeakSet[BeamGroup], prompt: Prompt,
+def make_beam_group(engine: Engine, track: Callable[[BeamGroup], None], prompt: Prompt,
                     params: BeamSearchParams) -> BeamGroup:
     if engine.speculator is not None:
         raise ValueError("beam search does not run with speculative_config yet: start the engine without it")
@@ -37,7 +39,7 @@ def make_beam_group(engine: Engine, live: weakref.WeakSet[BeamGroup], prompt: Pr
     if group.num_candidates > vocab:  # each step ranks num_candidates tokens of every beam
         raise ParamError("BeamSearchParams", "beam_width", f"must be at most {vocab // per_beam} (a step ranks "
                          f"{per_beam} x beam_width of the {vocab} tokens), got {params.beam_width}")
-    live.add(group)
+    track(group)
     return group
 
 
@@ -47,13 +49,19 @@ class BeamStep:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.live: weakref.WeakSet[BeamGroup] = weakref.WeakSet()  # the groups built and not finished
+        self._lock = threading.Lock()  # groups are built in submitting threads, stepped in the engine's
+
+    def track(self, group: BeamGroup) -> None:
+        with self._lock:
+            self.live.add(group)
 
     def __call__(self, step: Step) -> None:
         if not self.live:
             return
-        for group in [group for group in self.live if group.finished]:
-            self.live.discard(group)
-        ids = {group.request_id for group in self.live}
+        with self._lock:
+            for group in [group for group in self.live if group.finished]:
+                self.live.discard(group)
+            ids = {group.request_id for group in self.live}
         beams, rows = step.take(lambda seq: seq.request_id in ids)
         if beams:
             self._advance(beams, step.logits[self.engine.device_rows(rows)])
