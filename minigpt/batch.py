@@ -67,7 +67,6 @@ def build_parser(prog: str = "python -m minigpt.batch") -> argparse.ArgumentPars
 def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    args.model = model_or_demo(args.model, prog)
     name = prog.removeprefix("python -m ")
     if args.max_in_flight < 1:
         parser.error(f"--max-in-flight must be a positive number, got {args.max_in_flight}")
@@ -96,6 +95,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
     engine_args = engine_args_from(args)
     # the window holds at most max_in_flight prompts, or one request alone (MAX_CHOICES at most): never a refusal
     engine_args["max_waiting"] = max(engine_args["max_waiting"], args.max_in_flight, MAX_CHOICES)
+    args.model = model_or_demo(args.model, prog, args.quiet)  # said once the flags are known good
     model_name = args.served_model_name or served_name(args.model)
     writer = None
     with ExitStack() as resources:

@@ -21,7 +21,7 @@ COMMANDS = {
     "serve": ("minigpt.serve", "serve a model over the OpenAI API (the server extra)"),
     "precompile": ("minigpt.precompile", "build --compile's steps into the cache ahead of time"),
     "batch": ("minigpt.batch", "answer OpenAI Batch request files (the server extra)"),
-    "perplexity": ("minigpt.perplexity", "a model's perplexity on a text file, in windows of its context"),
+    "perplexity": ("minigpt.perplexity", "a model's perplexity on a text file (held-out text)"),
 }
 # what a command reports in one line with exit code 2: bad arguments or checkpoint, no memory, a failed compile
 class OneLineParser(argparse.ArgumentParser):

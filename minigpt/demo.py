@@ -16,9 +16,11 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=MODEL_HELP)
 
 
-def model_or_demo(model: str | None, prog: str) -> str:
-    """`model`, or the demo model when none was named, said on stderr."""
+def model_or_demo(model: str | None, prog: str, quiet: bool = False) -> str:
+    """`model`, or the demo model when none was named, said on stderr unless `quiet`."""
     if model is not None:
         return model
-    print(f"{prog.removeprefix('python -m ')}: no --model given, using the demo model {DEMO_MODEL}", file=sys.stderr)
+    if not quiet:
+        print(f"{prog.removeprefix('python -m ')}: no --model given, using the demo model {DEMO_MODEL}",
+              file=sys.stderr)
     return DEMO_MODEL

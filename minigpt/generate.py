@@ -172,7 +172,7 @@ def with_line_numbers(complete, args: argparse.Namespace, line_numbers: list[int
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    args.model = model_or_demo(args.model, prog)
+    args.model = model_or_demo(args.model, prog, args.quiet)
     if not args.quiet:
         log_to_stderr(logging.INFO)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from minigpt.common.transfer import to_device
 from minigpt.engine.sequence import Sequence
 
 
@@ -17,8 +16,9 @@ class DecodeRows:
         self.seqs: list[Sequence] = []
         self.pages: list[list[int] | None] = []  # each row's table as written there; None: to write
 
-    def arrange(self, decodes: list[Sequence]) -> list[Sequence]:
-        """`decodes` in row order, their tables written: a sequence that left gives its row to the last row's."""
+    def arrange(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
+        """`decodes` in row order (a sequence that left gives its row to the last row's), the rows whose tables
+        changed, and those tables padded to the width, flat: the caller sends them with its step's copy to `write`."""
         wanted = set(decodes)
         seqs, pages = self.seqs, self.pages
         if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten
@@ -39,14 +39,17 @@ class DecodeRows:
                     seqs.append(seq)
                     pages.append(None)
         stale = [row for row, seq in enumerate(seqs) if pages[row] != seq.block_table]
-        if stale:
-            width = self.tables.shape[1]
-            tables = [seqs[row].block_table + [0] * (width - len(seqs[row].block_table)) for row in stale]
-            device = self.tables.device
-            self.tables[to_device(stale, torch.int64, device)] = to_device(tables, torch.int32, device)
-            for row in stale:
-                pages[row] = list(seqs[row].block_table)
-        return list(seqs)
+        width = self.tables.shape[1]
+        tables = []
+        for row in stale:
+            pages[row] = list(seqs[row].block_table)
+            tables += pages[row] + [0] * (width - len(pages[row]))
+        return list(seqs), stale, tables
+
+    def write(self, rows: torch.Tensor, tables: torch.Tensor) -> None:
+        """The rows `arrange` found changed, [len(rows)] and their tables [len(rows) * width], on the device."""
+        if len(rows):
+            self.tables[rows] = tables.view(len(rows), -1).to(torch.int32)
 
     def block_tables(self, num_rows: int) -> torch.Tensor:
         """[num_rows, the widest table's pages] of the rows `arrange` laid out."""

@@ -148,7 +148,7 @@ class ModelRunner:
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
         num_prefill = len(ids)
-        decodes = self.decode_rows.arrange(decodes)
+        decodes, stale_rows, stale_tables = self.decode_rows.arrange(decodes)
         if decodes:
             sample_seqs += decodes
             sample_rows += range(len(rows), len(rows) + len(decodes))
@@ -156,13 +156,16 @@ class ModelRunner:
             ids += [seq.token_ids[-1] for seq in decodes]
         lens = [len(seq.token_ids) for seq in decodes]
         page_lists = [seg[3] for seg in segments]
-        # one copy: ids, prefill positions, prefill slots, decode lengths, logits rows, then the prompts' pages
-        flat = to_device([*ids, *positions, *slots, *lens, *rows, *(b for pages in page_lists for b in pages)],
-                         torch.int64, self.device)
-        sizes = [len(ids), num_prefill, num_prefill, len(lens), len(rows), *map(len, page_lists)]
-        ids_t, positions_t, slots_t, lens_t, rows_t, *pages_t = flat.split(sizes)
+        # one copy: ids, prefill positions, prefill slots, decode lengths, logits rows, the decode rows whose pages
+        # changed and their tables, then the prompts' pages
+        flat = to_device([*ids, *positions, *slots, *lens, *rows, *stale_rows, *stale_tables,
+                          *(b for pages in page_lists for b in pages)], torch.int64, self.device)
+        sizes = [len(ids), num_prefill, num_prefill, len(lens), len(rows), len(stale_rows), len(stale_tables),
+                 *map(len, page_lists)]
+        ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *pages_t = flat.split(sizes)
         tables = decode_lens = None
         if decodes:
+            self.decode_rows.write(stale_rows_t, stale_tables_t)
             tables = self.decode_rows.block_tables(len(decodes))
             decode_lens = lens_t.to(torch.int32)
             decode_positions = lens_t - 1
