@@ -48,8 +48,7 @@ class DecodeRows:
 
     def write(self, rows: torch.Tensor, tables: torch.Tensor) -> None:
         """The rows `arrange` found changed, [len(rows)] and their tables [len(rows) * width], on the device."""
-        if len(rows):
-            self.tables[rows] = tables.view(len(rows), -1).to(torch.int32)
+        self.tables[rows] = tables.view(len(rows), -1).to(torch.int32)
 
     def block_tables(self, num_rows: int) -> torch.Tensor:
         """[num_rows, the widest table's pages] of the rows `arrange` laid out."""

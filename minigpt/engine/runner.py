@@ -155,23 +155,22 @@ class ModelRunner:
             rows += range(num_prefill, num_prefill + len(decodes))
             ids += [seq.token_ids[-1] for seq in decodes]
         lens = [len(seq.token_ids) for seq in decodes]
+        positions += (n - 1 for n in lens)
+        slots += (seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs for seq, n in zip(decodes, lens, strict=True))
         page_lists = [seg[3] for seg in segments]
-        # one copy: ids, prefill positions, prefill slots, decode lengths, logits rows, the decode rows whose pages
-        # changed and their tables, then the prompts' pages
+        # one copy: ids, positions, slots, decode lengths, logits rows, the decode rows whose pages changed and
+        # their tables, then the prompts' pages
         flat = to_device([*ids, *positions, *slots, *lens, *rows, *stale_rows, *stale_tables,
                           *(b for pages in page_lists for b in pages)], torch.int64, self.device)
-        sizes = [len(ids), num_prefill, num_prefill, len(lens), len(rows), len(stale_rows), len(stale_tables),
+        sizes = [len(ids), len(ids), len(ids), len(lens), len(rows), len(stale_rows), len(stale_tables),
                  *map(len, page_lists)]
         ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *pages_t = flat.split(sizes)
         tables = decode_lens = None
         if decodes:
-            self.decode_rows.write(stale_rows_t, stale_tables_t)
+            if stale_rows:
+                self.decode_rows.write(stale_rows_t, stale_tables_t)
             tables = self.decode_rows.block_tables(len(decodes))
             decode_lens = lens_t.to(torch.int32)
-            decode_positions = lens_t - 1
-            decode_slots = tables.gather(1, (decode_positions // bs)[:, None]).squeeze(1) * bs + decode_positions % bs
-            positions_t = torch.cat([positions_t, decode_positions]) if num_prefill else decode_positions
-            slots_t = torch.cat([slots_t, decode_slots]) if num_prefill else decode_slots
         prefill_segments = [PrefillSegment(start, chunk, end, pages, in_prompt)
                              for (start, chunk, end, _, in_prompt), pages in zip(segments, pages_t, strict=True)]
         num_fresh = len(fresh) if batched else 0
