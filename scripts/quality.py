@@ -1,6 +1,6 @@
 """The quality table of docs/quality.md: the demo model's (or any checkpoint's) perplexity on a held-out file in
-each engine mode against transformers float32 on the same weights (and CTranslate2 float32 / int8 where it is
-installed), and each mode's greedy agreement with float32.
+each engine mode against transformers float32 on the same weights (and CTranslate2 float32 / int8, llama.cpp f32 /
+q8_0 where they are installed), and each mode's greedy agreement with float32.
 
     python scripts/quality.py [--model DIR] [--file minigpt/demo_model/held_out.txt]
 
@@ -78,6 +78,31 @@ def ctranslate2_score(model_dir: str, ids: list[int], context: int, stride: int,
     return Result(nll, count)
 
 
+def llama_cpp_score(model_dir: str, ids: list[int], context: int, stride: int, outtype: str) -> Result | None:
+    """llama.cpp on the same checkpoint, converted to GGUF here (scripts/PERFORMANCE.md says how to build it);
+    None where it is not built."""
+    import numpy as np
+    from peers.llama_cpp_build import convert_to_gguf, import_llama_cpp
+
+    try:
+        lib = import_llama_cpp()
+        gguf = convert_to_gguf(model_dir, outtype)
+    except (ImportError, RuntimeError):
+        return None
+    model = lib.Llama(model_path=str(gguf), n_ctx=context, logits_all=True, n_threads=1, verbose=False)
+    nll, count = 0.0, 0
+    for window in windows(len(ids), context, stride):
+        model.reset()
+        model.eval(ids[window.begin:window.end])
+        logits = np.asarray(model.scores[:window.end - window.begin], dtype=np.float64)
+        logprobs = torch.log_softmax(torch.from_numpy(logits), dim=-1)
+        for position in range(window.first_scored, window.end):
+            nll -= logprobs[position - window.begin - 1, ids[position]].item()
+            count += 1
+    model.close()
+    return Result(nll, count)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEMO_MODEL)
@@ -100,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = transformers_score(args.model, ids, args.context, args.stride)
     peers = [(f"CTranslate2 {kind}", ctranslate2_score(args.model, ids, args.context, args.stride, kind))
              for kind in ("float32", "int8")]
+    peers += [(f"llama.cpp {kind}", llama_cpp_score(args.model, ids, args.context, args.stride, kind))
+              for kind in ("f32", "q8_0")]
     base = rows[0][1]
     print(f"{result.tokens} tokens, windows of {args.context}, stride {args.stride}; "
           f"greedy over {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")
@@ -110,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| minigpt {name} | {ppl:.4f} | {ppl / base - 1:+.4%} | {agree:.1%} |")
     for name, result in peers:
         if result is None:
-            print(f"| {name} | not installed (`pip install ctranslate2`) | | |")
+            print(f"| {name} | not installed (scripts/PERFORMANCE.md, peers) | | |")
         else:
             print(f"| {name} | {result.perplexity:.4f} | {result.perplexity / base - 1:+.4%} | |")
     return 0 if math.isfinite(base) else 1
