@@ -294,7 +294,7 @@ def test_tiny_temperatures_are_greedy(temperature):
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 1000, 50257])
+@pytest.mark.parametrize("vocab", [1, 2, 3, 31, 255, 256, 257, 1000, 1024, 4097, 50257])
 def test_argmax_is_torchs_argmax_in_blocks_and_one_row_alone(vocab):
     torch.manual_seed(vocab)
     x = torch.randn(7, vocab)

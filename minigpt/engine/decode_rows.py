@@ -3,6 +3,9 @@ and its row of the page tables is written again only when its pages change, so a
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter, ne
+
 import torch
 
 from minigpt.engine.sequence import Sequence
@@ -24,21 +27,22 @@ class DecodeRows:
         if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten
             self.tables = self.tables.new_zeros(2 * len(wanted), self.tables.shape[1])
             pages[:] = [None] * len(pages)
-        row = 0
-        while row < len(seqs):
-            if seqs[row] in wanted:
-                row += 1
-                continue
-            seqs[row], pages[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
-            seqs.pop()
-            pages.pop()
-        if len(seqs) < len(wanted):
-            kept = set(seqs)
-            for seq in decodes:
-                if seq not in kept:
-                    seqs.append(seq)
-                    pages.append(None)
-        stale = [row for row, seq in enumerate(seqs) if pages[row] != seq.block_table]
+        if len(seqs) != len(wanted) or not wanted.issuperset(seqs):  # else: the same rows as the last step
+            row = 0
+            while row < len(seqs):
+                if seqs[row] in wanted:
+                    row += 1
+                    continue
+                seqs[row], pages[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
+                seqs.pop()
+                pages.pop()
+            if len(seqs) < len(wanted):
+                kept = set(seqs)
+                for seq in decodes:
+                    if seq not in kept:
+                        seqs.append(seq)
+                        pages.append(None)
+        stale = list(compress(range(len(seqs)), map(ne, pages, map(attrgetter("block_table"), seqs))))
         width = self.tables.shape[1]
         tables = []
         for row in stale:

@@ -129,7 +129,9 @@ class BlockManager:
 
     def has_room(self, block_table: list[int], position: int, num_tokens: int) -> bool:
         """True when the table's own pages already hold positions `position`..`num_tokens` - 1."""
-        return num_tokens <= len(block_table) * self.block_size and not self.shares(block_table, position)
+        if num_tokens > len(block_table) * self.block_size:
+            return False
+        return self.ref_counts[block_table[position // self.block_size]] <= 1  # not shared (position < num_tokens)
 
     def shares(self, block_table: list[int], position: int) -> bool:
         index = position // self.block_size

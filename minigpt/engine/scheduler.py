@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minigpt.engine.kv_cache import BlockManager
-from minigpt.engine.sequence import Sequence, Status
+from minigpt.engine.sequence import RUNNING, Sequence, Status
 
 
 @dataclass
@@ -41,12 +41,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        has_room = self.blocks.has_room
         for seq in list(self.running):
+            if seq.status is not RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or no budget left
             uncomputed = seq.num_uncomputed_tokens
-            if seq.status is not Status.RUNNING or budget == 0 or not uncomputed:
-                continue  # preempted earlier in this loop, no budget left, or a beam waiting for its siblings
-            chunk = min(uncomputed, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + chunk, batch):
+            if not uncomputed:
+                continue  # a beam waiting for its siblings
+            chunk = uncomputed if uncomputed <= budget else budget
+            first = seq.num_computed_tokens
+            if not has_room(seq.block_table, first, first + chunk) and not self._make_room(seq, first + chunk, batch):
                 continue  # seq preempted itself
             batch.chunks.append((seq, chunk))
             budget -= chunk
@@ -60,10 +64,9 @@ class Scheduler:
         return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Grow seq's pages to `num_tokens`, preempting newer sequences while blocks are short."""
+        """Give seq pages of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
+        blocks are short."""
         first = seq.num_computed_tokens
-        if self.blocks.has_room(seq.block_table, first, num_tokens):
-            return True
         while not self.blocks.can_allocate(
             self.blocks.blocks_needed(num_tokens) - len(seq.block_table) + self.blocks.shares(seq.block_table, first)
         ):

@@ -30,6 +30,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+RUNNING, FINISHED = Status.RUNNING, Status.FINISHED  # what the step's loops compare with: Enum lookups are slow
+
+
 @dataclass
 class Timings:
     arrival: float = field(default_factory=time.perf_counter)
@@ -88,7 +91,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is FINISHED
 
     @property
     def scores_only(self) -> bool:

@@ -7,6 +7,7 @@ in its order, after the mask, bias and allowed ids that act on the raw logits fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -136,25 +137,24 @@ def _grammar_masked(x: Tensor, grammar: GrammarMask) -> Tensor:
     return x.index_put((idx,), apply_bitmask(x[idx], grammar.bitmask))
 
 
-ARGMAX_BLOCK = 256  # columns reduced together by `argmax` on the CPU
-
-
 def argmax(x: Tensor) -> Tensor:
     """`x.argmax(-1)` of x [rows, n]. On the CPU one row through `max`, one op (in a decode step, where each op
     starts with its code out of the near caches, fewer ops beat the block maxima's faster arithmetic); more rows
-    through block maxima, as `amax` is vectorized and argmax and `max` are not."""
+    through the maxima of blocks of about sqrt(n) columns, as `amax` is vectorized and argmax and `max` are not:
+    the argmax of the blocks' maxima, then of the chosen block's columns."""
     if x.device.type != "cpu" or x.numel() == 0:
         return x.argmax(dim=-1)
     rows, n = x.shape
     if rows == 1:
         return x.max(dim=-1).indices
-    full = n - n % ARGMAX_BLOCK
-    maxima = x[:, :full].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    block = 1 << round(math.log2(n) / 2)  # a power of two: both argmaxes about sqrt(n) wide
+    full = n - n % block
+    maxima = x[:, :full].view(rows, -1, block).amax(dim=-1)
     if full < n:
         maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
-    start = maxima.argmax(dim=-1, keepdim=True) * ARGMAX_BLOCK
+    start = maxima.argmax(dim=-1, keepdim=True) * block
     # the last block may be short: its columns past the end repeat the last one, after the real ones
-    columns = (start + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=n - 1)
+    columns = (start + torch.arange(block, device=x.device)).clamp_(max=n - 1)
     return (start + x.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
