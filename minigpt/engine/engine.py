@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from minigpt.engine.config import EngineConfig
 from minigpt.engine.input_processor import InputProcessor
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.request import EngineRequest, Prompt
-from minigpt.engine.runner import ModelRunner, StepInputs
+from minigpt.engine.runner import ModelRunner
 from minigpt.engine.scheduler import ScheduledBatch, Scheduler
 from minigpt.engine.seams import PostprocessStep, Speculation, Step
 from minigpt.engine.sequence import Sequence
@@ -44,6 +45,7 @@ class Engine:
         self.requests: dict[int, EngineRequest] = {}  # added and not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self._finished_requests: set[int] = set()  # of sequences finished in this step
         self.on_step: Callable[[ScheduledBatch, list[Sequence], int], None] | None = None
 
     def make_request(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
@@ -86,23 +88,31 @@ class Engine:
                 raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
             return []
         try:
-            self.runner.copy_blocks(batch.copies)
-            if self.speculator is not None:
-                batch.chunks = self.speculator.draft(batch.chunks, self.scheduler.max_num_batched_tokens)
-            inputs = self.runner.prepare(batch.chunks)
-            generated = sum(len(seq.output_token_ids) for seq in inputs.sample_seqs)
-            updated = self._postprocess(batch, inputs, self.runner.run(inputs))
+            step = self._run(batch)
+            self._postprocess(step)
         except Exception as err:
             self._fail(batch, err)
             raise
-        self._retire(seq.request_id for seq in updated if seq.finished)
-        sampled = inputs.sample_seqs
-        num_tokens = sum(len(seq.output_token_ids) for seq in sampled) - generated
-        self.num_steps += 1
-        self.num_generated_tokens += num_tokens
-        if self.on_step is not None:
-            self.on_step(batch, sampled, num_tokens)
-        return updated
+        self._retire(step)
+        return step.updated
+
+    def _run(self, batch: ScheduledBatch) -> Step:
+        self.runner.copy_blocks(batch.copies)
+        if self.speculator is not None:
+            batch.chunks = self.speculator.draft(batch.chunks, self.scheduler.max_num_batched_tokens)
+        inputs = self.runner.prepare(batch.chunks)
+        return Step(batch, inputs, self.runner.run(inputs), list(inputs.sample_seqs), list(inputs.sample_rows))
+
+    def _postprocess(self, step: Step) -> None:
+        outputs_before = _num_outputs(step.inputs.sample_seqs)
+        self._account_computed(step)
+        self._record_prompt_logprobs(step)
+        self._finish_scoring(step)
+        for feature_step in self.steps:
+            feature_step(step)
+        self._sample(step)
+        step.updated += step.inputs.sample_seqs
+        step.num_tokens = _num_outputs(step.inputs.sample_seqs) - outputs_before
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
         error = f"{type(err).__name__}: {err}"
@@ -115,21 +125,17 @@ class Engine:
             if request is not None and request.finished:
                 self.abort(request, error)  # what it still runs outside this step (a beam search's other beams)
 
-    def _retire(self, request_ids) -> None:
-        for request_id in set(request_ids):
+    def _retire(self, step: Step) -> None:
+        """Forget the step's finished requests; count the step."""
+        for request_id in self._finished_requests | {seq.request_id for seq in step.updated if seq.finished}:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
                 del self.requests[request_id]
-
-    def _postprocess(self, batch: ScheduledBatch, inputs: StepInputs, logits: torch.Tensor) -> list[Sequence]:
-        step = Step(batch, inputs, logits, list(inputs.sample_seqs), list(inputs.sample_rows))
-        self._account_computed(step)
-        self._record_prompt_logprobs(step)
-        self._finish_scoring(step)
-        for feature_step in self.steps:
-            feature_step(step)
-        self._sample(step)
-        return step.updated + inputs.sample_seqs
+        self._finished_requests.clear()
+        self.num_steps += 1
+        self.num_generated_tokens += step.num_tokens
+        if self.on_step is not None:
+            self.on_step(step.batch, step.inputs.sample_seqs, step.num_tokens)
 
     def _account_computed(self, step: Step) -> None:
         full = self.blocks.block_size if self.blocks.enable_prefix_caching else None
@@ -145,7 +151,7 @@ class Engine:
             seq.prompt_logprobs.extend(prompt_logprobs(rows, targets, seq.params.prompt_logprobs, self.vocab_limit))
 
     def _finish_scoring(self, step: Step) -> None:
-        for seq, _ in step.batch.chunks:
+        for seq in step.inputs.prefill_seqs:  # a scoring request never decodes
             if seq.scores_only and not seq.num_uncomputed_tokens:
                 seq.finish_scoring()
                 self._finish(seq)
@@ -159,21 +165,18 @@ class Engine:
             logits = logits[self.device_rows(step.rows)]
         spec = self.speculator
         out = self.sampler(logits, spec.sampling_rows(step.seqs) if spec else step.seqs, step.grammar)
-        logprobs = out.logprobs or [None] * len(out.token_ids)
-        if spec is None:  # a row a sequence
-            for seq, token, token_logprobs in zip(step.seqs, out.token_ids, logprobs, strict=True):
+        tokens, logprobs = out.token_ids, out.logprobs or [None] * len(out.token_ids)
+        if len(tokens) == len(step.seqs):  # a row a sequence
+            for seq, token, token_logprobs in zip(step.seqs, tokens, logprobs, strict=True):
                 seq.append(token, token_logprobs)
                 if seq.finished:
                     self._finish(seq)
             return
-        row = 0
-        for seq in step.seqs:
-            rows = slice(row, row + 1 + len(seq.draft_token_ids))
-            row = rows.stop
+        for seq, rows in step.spans():
             if rows.stop - rows.start == 1:
-                seq.append(out.token_ids[rows.start], logprobs[rows.start])
+                seq.append(tokens[rows.start], logprobs[rows.start])
             else:
-                spec.verify(seq, out.token_ids[rows], logprobs[rows])
+                spec.verify(seq, tokens[rows], logprobs[rows])
             if seq.finished:
                 self._finish(seq)
 
@@ -181,6 +184,7 @@ class Engine:
         return to_device(rows, torch.int64, self.runner.device)
 
     def _finish(self, seq: Sequence) -> None:
+        self._finished_requests.add(seq.request_id)
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -197,3 +201,7 @@ class Engine:
         unless someone has set it since."""
         if self.config.num_threads is not None and torch.get_num_threads() == self.config.num_threads:
             torch.set_num_threads(self._threads_before)
+
+
+def _num_outputs(seqs: list[Sequence]) -> int:
+    return sum(map(len, map(attrgetter("output_token_ids"), seqs)))

@@ -25,7 +25,12 @@ MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask 
 
 def is_decode(seq: Sequence, chunk: int) -> bool:
     """The one token left after a computed context (a prompt's lone token is a prefill chunk)."""
-    return chunk == seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
+    return chunk == 1 and seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
+
+
+def num_sample_rows(seq: Sequence) -> int:
+    """The logits rows a sampled sequence's step draws from: its next token's, and one per draft it verifies."""
+    return 1 + len(seq.draft_token_ids)
 
 
 @dataclass
@@ -35,9 +40,10 @@ class StepInputs:
     meta: StepMetadata
     logits_indices: torch.Tensor  # [R] int64: the rows whose logits are computed
     sample_seqs: list[Sequence]
-    sample_rows: list[int]  # their rows among the R: one each, plus one per drafted token it verifies
+    sample_rows: list[int]  # their rows among the R: `num_sample_rows` each
     # (sequence, its first row among the R, the prompt positions whose next token it scores)
     prompt_logprob_rows: list[tuple[Sequence, int, list[int]]]
+    prefill_seqs: list[Sequence]  # those computing prompt (or drafted) tokens
 
 
 class DecodeBackend(Protocol):
@@ -144,19 +150,23 @@ class ModelRunner:
                     rows += (start + p - first for p in wanted)
             if end == len(seq.token_ids) + len(seq.draft_token_ids) and not seq.scores_only:
                 sample_seqs.append(seq)
-                verified = range(end - 1 - len(seq.draft_token_ids), end)
+                verified = range(end - num_sample_rows(seq), end)
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
         num_prefill = len(ids)
         decodes, stale_rows, stale_tables = self.decode_rows.arrange(decodes)
+        lens: list[int] = []
+        for seq in decodes:
+            tokens = seq.token_ids
+            n = len(tokens)
+            ids.append(tokens[-1])
+            lens.append(n)
+            slots.append(seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
+        positions += (n - 1 for n in lens)
         if decodes:
             sample_seqs += decodes
             sample_rows += range(len(rows), len(rows) + len(decodes))
             rows += range(num_prefill, num_prefill + len(decodes))
-            ids += [seq.token_ids[-1] for seq in decodes]
-        lens = [len(seq.token_ids) for seq in decodes]
-        positions += (n - 1 for n in lens)
-        slots += (seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs for seq, n in zip(decodes, lens, strict=True))
         page_lists = [seg[3] for seg in segments]
         # one copy: ids, positions, slots, decode lengths, logits rows, the decode rows whose pages changed and
         # their tables, then the prompts' pages
@@ -175,7 +185,8 @@ class ModelRunner:
                              for (start, chunk, end, _, in_prompt), pages in zip(segments, pages_t, strict=True)]
         num_fresh = len(fresh) if batched else 0
         meta = StepMetadata(slots_t, prefill_segments, num_prefill, tables, decode_lens, num_fresh)
-        return StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows)
+        return StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows,
+                          [seq for seq, _ in prefills])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's K/V; a destination listed twice takes its last source."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from minigpt.engine.runner import StepInputs
+from minigpt.engine.runner import StepInputs, num_sample_rows
 from minigpt.engine.scheduler import ScheduledBatch
 from minigpt.engine.sequence import Sequence
 from minigpt.sampling import GrammarMask, TokenLogprobs
@@ -25,18 +25,24 @@ class Step:
     rows: list[int]  # their logits rows: one each, plus one per draft it verifies
     updated: list[Sequence] = field(default_factory=list)  # what Engine.step returns
     grammar: GrammarMask | None = None
+    num_tokens: int = 0  # the tokens its sequences gained, once sampled
+
+    def spans(self) -> Iterator[tuple[Sequence, slice]]:
+        """Each sequence still to sample with its slice of `rows`."""
+        row = 0
+        for seq in self.seqs:
+            n = num_sample_rows(seq)
+            yield seq, slice(row, row + n)
+            row += n
 
     def take(self, claim: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[int]]:
         """Take out the sequences `claim` picks; returns them and their rows."""
         taken: tuple[list[Sequence], list[int]] = ([], [])
         kept: tuple[list[Sequence], list[int]] = ([], [])
-        row = 0
-        for seq in self.seqs:
-            n = 1 + len(seq.draft_token_ids)
-            seqs, rows = taken if claim(seq) else kept
+        for seq, rows in self.spans():
+            seqs, picked = taken if claim(seq) else kept
             seqs.append(seq)
-            rows += self.rows[row : row + n]
-            row += n
+            picked += self.rows[rows]
         self.seqs, self.rows = kept
         return taken
 

@@ -30,13 +30,13 @@ class Grammars:
 
 def grammar_mask(step: Step) -> None:
     """The tokens each structured-output sequence's grammar allows next, in the sampler's rows."""
+    if all(seq.grammar is None for seq in step.seqs):
+        return
     rows, states, left = [], [], []
-    row = 0
-    for seq in step.seqs:
+    for seq, span in step.spans():
         if seq.grammar is not None:
-            rows.append(row)
+            rows.append(span.start)
             states.append(seq.grammar)
             left.append(seq.max_len - len(seq.token_ids))
-        row += 1 + len(seq.draft_token_ids)
     if rows:
         step.grammar = GrammarMask(rows, fill_bitmask(states, left))

@@ -153,7 +153,7 @@ def model_inputs(inputs: StepInputs, convert: Callable) -> StepInputs:
         None if tables is None else convert(tables), None if lens is None else convert(lens), meta.num_fresh,
     )
     return StepInputs(convert(inputs.input_ids), convert(inputs.positions), meta, convert(inputs.logits_indices),
-                      [], [], [])
+                      [], [], [], [])
 
 
 def pack(tensor: torch.Tensor) -> tuple[torch.dtype, list]:
