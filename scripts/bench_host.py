@@ -4,9 +4,10 @@
     python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
 
 A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (random weights, written to a temporary folder) keeps
-the model's own time small; the time inside the runner's `run` is measured and taken out. Each batch decodes
-`--steps` greedy steps after its prompts are in, `--repeats` times on fresh requests: the median is printed with
-the spread, and the CPU class. Before/after: run the same command with PYTHONPATH at another checkout.
+the model's own time small; the time inside the runner's `run` is measured and taken out. The sampler's share of
+the host time is printed beside it: on the CPU its tensor work (the argmax over the vocabulary) is there too. Each
+batch decodes `--steps` greedy steps after its prompts are in, `--repeats` times on fresh requests: the median is
+printed with the spread, and the CPU class. Before/after: run the same command with PYTHONPATH at another checkout.
 """
 
 from __future__ import annotations
@@ -36,29 +37,29 @@ def tiny_checkpoint(folder: Path) -> Path:
     return write_checkpoint(random_model(config), folder / "tiny", gpt2_vocab_files())
 
 
-class ModelClock:
-    """Seconds spent inside `runner.run` since the last `take()`."""
+class Clock:
+    """Seconds spent inside `owner.name(...)` since the last `take()`."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, owner, name: str) -> None:
         self.seconds = 0.0
-        run = runner.run
+        call = getattr(owner, name)
 
-        def timed(inputs):
+        def timed(*args):
             start = time.perf_counter()
             try:
-                return run(inputs)
+                return call(*args)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        runner.run = timed
+        setattr(owner, name, timed)
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
 
-def measure(llm: LLM, clock: ModelClock, batch: int, steps: int) -> tuple[float, float]:
-    """(host, model) seconds per decode step of `batch` sequences."""
+def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> tuple[float, float, float]:
+    """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
     engine = llm.engine
     params = SamplingParams(max_tokens=WARM_STEPS + steps + 2, ignore_eos=True, temperature=0.0)
     requests = [engine.make_request([(7 * i + j) % 1000 for j in range(PROMPT_LEN)], params) for i in range(batch)]
@@ -68,15 +69,16 @@ def measure(llm: LLM, clock: ModelClock, batch: int, steps: int) -> tuple[float,
         engine.step()
     for _ in range(WARM_STEPS):
         engine.step()
-    clock.take()
+    model.take()
+    sampler.take()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
-    model = clock.take()
+    in_model = model.take()
     for request in requests:
         engine.abort(request)
-    return (wall - model) / steps, model / steps
+    return (wall - in_model) / steps, in_model / steps, sampler.take() / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,16 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         llm = LLM(str(tiny_checkpoint(Path(folder))), max_num_seqs=max(batches), num_threads=args.threads,
                   kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
-        clock = ModelClock(llm.engine.runner)
+        model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
         results = {}
         for batch in batches:
-            runs = [measure(llm, clock, batch, args.steps) for _ in range(args.repeats)]
-            host = sorted(h * 1e6 for h, _ in runs)
-            model = statistics.median(m * 1e6 for _, m in runs)
+            runs = [measure(llm, model_clock, sampler_clock, batch, args.steps) for _ in range(args.repeats)]
+            host = sorted(h * 1e6 for h, _, _ in runs)
+            model = statistics.median(m * 1e6 for _, m, _ in runs)
+            sampler = statistics.median(s * 1e6 for _, _, s in runs)
             results[batch] = {"host_us": statistics.median(host), "host_min_us": host[0], "host_max_us": host[-1],
-                              "model_us": model}
+                              "model_us": model, "sampler_us": sampler}
             print(f"batch {batch:4d}: host {statistics.median(host):8.1f} us a step ({host[0]:.1f}-{host[-1]:.1f}), "
-                  f"model {model:8.1f} us", flush=True)
+                  f"of it the sampler {sampler:7.1f} us; model {model:8.1f} us", flush=True)
         llm.close()
     described = cpu_class.describe()
     print(f"CPU class {described}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
