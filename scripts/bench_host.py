@@ -8,6 +8,10 @@ the model's own time small; the time inside the runner's `run` is measured and t
 the host time is printed beside it: on the CPU its tensor work (the argmax over the vocabulary) is there too. Each
 batch decodes `--steps` greedy steps after its prompts are in, `--repeats` times on fresh requests: the median is
 printed with the spread, and the CPU class. Before/after: run the same command with PYTHONPATH at another checkout.
+
+`--device-us D` measures overlap instead: a device stand-in whose step takes D microseconds (the host waits for
+it at the launch without overlap; with it, only when it reads the tokens, after laying out the next step), and
+prints the wall time a step with `overlap` off and on.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+import minigpt.engine.engine
 from minigpt import LLM, SamplingParams
 from minigpt.common import cpu_class
+from minigpt.common.transfer import HostCopy
 from minigpt.model.checkpoint import preset_config, random_model, write_checkpoint
 from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
@@ -58,8 +64,8 @@ class Clock:
         return seconds
 
 
-def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> tuple[float, float, float]:
-    """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
+def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None) -> float:
+    """Wall seconds of `steps` decode steps of `batch` sequences, after their prompts and a few steps more."""
     engine = llm.engine
     params = SamplingParams(max_tokens=WARM_STEPS + steps + 2, ignore_eos=True, temperature=0.0)
     requests = [engine.make_request([(7 * i + j) % 1000 for j in range(PROMPT_LEN)], params) for i in range(batch)]
@@ -69,16 +75,83 @@ def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> t
         engine.step()
     for _ in range(WARM_STEPS):
         engine.step()
-    model.take()
-    sampler.take()
+    before_timing()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
-    in_model = model.take()
     for request in requests:
         engine.abort(request)
+    return wall
+
+
+def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> tuple[float, float, float]:
+    """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
+    wall = timed_steps(llm, batch, steps, lambda: (model.take(), sampler.take()))
+    in_model = model.take()
     return (wall - in_model) / steps, in_model / steps, sampler.take() / steps
+
+
+class DeviceStandIn(HostCopy):
+    """Tokens ready `seconds` after their step was launched: reading them waits for the rest."""
+
+    seconds = 0.0
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(tensor)
+        self.ready = time.perf_counter() + self.seconds
+
+    def tolist(self) -> list:
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        return super().tolist()
+
+
+def wait_at_launch(runner) -> None:
+    """The stand-in's step time spent at the launch: where a step not overlapped waits for it."""
+    run = runner.run
+
+    def launch(inputs):
+        time.sleep(DeviceStandIn.seconds)
+        return run(inputs)
+
+    runner.run = launch
+
+
+def overlap_walls(llm_args: dict, batches: list[int], args: argparse.Namespace) -> dict:
+    """Per batch, median wall microseconds a step with overlap off and on, the device a stand-in."""
+    DeviceStandIn.seconds = args.device_us / 1e6
+    minigpt.engine.engine.HostCopy = DeviceStandIn
+    results: dict = {batch: {} for batch in batches}
+    for overlap in ("off", "on"):
+        llm = LLM(**llm_args, overlap=overlap)
+        if overlap == "off":
+            wait_at_launch(llm.engine.runner)
+        for batch in batches:
+            walls = [timed_steps(llm, batch, args.steps) / args.steps * 1e6 for _ in range(args.repeats)]
+            results[batch][f"overlap_{overlap}_us"] = statistics.median(walls)
+        llm.close()
+    for batch in batches:
+        off, on = results[batch]["overlap_off_us"], results[batch]["overlap_on_us"]
+        print(f"batch {batch:4d}: a step {off:8.1f} us without overlap, {on:8.1f} us with it "
+              f"(device stand-in {args.device_us:.0f} us a step)", flush=True)
+    return results
+
+
+def host_times(llm_args: dict, batches: list[int], args: argparse.Namespace) -> dict:
+    llm = LLM(**llm_args, overlap="off")
+    model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
+    results = {}
+    for batch in batches:
+        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps) for _ in range(args.repeats)]
+        host = sorted(h * 1e6 for h, _, _ in runs)
+        model = statistics.median(m * 1e6 for _, m, _ in runs)
+        sampler = statistics.median(s * 1e6 for _, _, s in runs)
+        results[batch] = {"host_us": statistics.median(host), "host_min_us": host[0], "host_max_us": host[-1],
+                          "model_us": model, "sampler_us": sampler}
+        print(f"batch {batch:4d}: host {statistics.median(host):8.1f} us a step ({host[0]:.1f}-{host[-1]:.1f}), "
+              f"of it the sampler {sampler:7.1f} us; model {model:8.1f} us", flush=True)
+    llm.close()
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,24 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--device-us", type=float, default=None,
+                        help="measure overlap with a device stand-in taking this long a step")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
     with tempfile.TemporaryDirectory() as folder:
-        llm = LLM(str(tiny_checkpoint(Path(folder))), max_num_seqs=max(batches), num_threads=args.threads,
-                  kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
-        model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
-        results = {}
-        for batch in batches:
-            runs = [measure(llm, model_clock, sampler_clock, batch, args.steps) for _ in range(args.repeats)]
-            host = sorted(h * 1e6 for h, _, _ in runs)
-            model = statistics.median(m * 1e6 for _, m, _ in runs)
-            sampler = statistics.median(s * 1e6 for _, _, s in runs)
-            results[batch] = {"host_us": statistics.median(host), "host_min_us": host[0], "host_max_us": host[-1],
-                              "model_us": model, "sampler_us": sampler}
-            print(f"batch {batch:4d}: host {statistics.median(host):8.1f} us a step ({host[0]:.1f}-{host[-1]:.1f}), "
-                  f"of it the sampler {sampler:7.1f} us; model {model:8.1f} us", flush=True)
-        llm.close()
+        llm_args = dict(model=str(tiny_checkpoint(Path(folder))), max_num_seqs=max(batches), num_threads=args.threads,
+                        kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
+        if args.device_us is not None:
+            results = overlap_walls(llm_args, batches, args)
+        else:
+            results = host_times(llm_args, batches, args)
     described = cpu_class.describe()
     print(f"CPU class {described}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"medians of {args.repeats} x {args.steps} steps")

@@ -119,8 +119,9 @@ class StepOps(TorchDispatchMode):
 
 
 def _started_engine(path: Path, device: str = "cpu") -> minigpt.engine.engine.Engine:
-    """An engine with two sequences past their prefill, so the next step decodes both."""
-    engine = LLM(str(path), device=device, block_size=8).engine
+    """An engine with two sequences past their prefill, so the next step decodes both; steps not overlapped,
+    each reading its own tokens."""
+    engine = LLM(str(path), device=device, block_size=8, overlap="off").engine
     for prompt in ([1, 2, 3, 4, 5], list(range(20))):
         engine.add(engine.make_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
     engine.step()

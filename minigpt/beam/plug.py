@@ -55,16 +55,25 @@ class BeamStep:
         with self._lock:
             self.live.add(group)
 
+    def acts_on(self, step: Step) -> bool:
+        ids = self._live_ids()
+        return any(seq.request_id in ids for seq in step.seqs)
+
     def __call__(self, step: Step) -> None:
-        if not self.live:
+        ids = self._live_ids()
+        if not ids:
             return
-        with self._lock:
-            for group in [group for group in self.live if group.finished]:
-                self.live.discard(group)
-            ids = {group.request_id for group in self.live}
         beams, rows = step.take(lambda seq: seq.request_id in ids)
         if beams:
             self._advance(beams, step.logits[self.engine.device_rows(rows)])
+
+    def _live_ids(self) -> set[int]:
+        if not self.live:
+            return set()
+        with self._lock:
+            for group in [group for group in self.live if group.finished]:
+                self.live.discard(group)
+            return {group.request_id for group in self.live}
 
     def _advance(self, beams: list[Sequence], logits: torch.Tensor) -> None:
         """Hand each beam its best next tokens (fp32 log_softmax over the whole vocabulary, as transformers

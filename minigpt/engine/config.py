@@ -13,6 +13,7 @@ from minigpt.model.weights import resolve_dtype
 
 QUANTIZATIONS = ("int8", "w8a8")  # the modes of minigpt/quant/quantize.py
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16")  # names the CLI offers; LLM also takes aliases
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 def _setting(default: object, help: str, flag: str | None = "", choices: tuple[str, ...] | None = None) -> Any:
@@ -56,6 +57,11 @@ class EngineConfig:
         "prompt is chunked or cached, preempted or drafted for, in the float and eager w8a8 modes (costs speed; "
         "the fast mode is invariant without it)"
     )
+    overlap: str = _setting(
+        "auto", "lay the next decode step out while the device runs this one, its tokens read a step late (auto: "
+        "on with CUDA); steps with beams, grammars, penalties, logprobs or speculation are not overlapped",
+        choices=OVERLAP_MODES,
+    )
     max_waiting: int = _setting(4096, "queued requests beyond which new ones are refused at once")
     # bounds on one request's work, and on a step's
     max_stop_strings: int = _setting(256, "stop strings a request may give")
@@ -86,6 +92,8 @@ class EngineConfig:
             except ValueError:
                 raise ParamError.must_be("", "kv_cache_dtype", self.kv_cache_dtype,
                                          "None, float32, float16 or bfloat16") from None
+        if self.overlap not in OVERLAP_MODES:
+            raise ParamError.must_be("", "overlap", self.overlap, f"one of {OVERLAP_MODES}")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ParamError.must_be("", "quantize", self.quantize, f"None or one of {QUANTIZATIONS}")
         if self.speculative_config is not None:
@@ -119,6 +127,10 @@ class EngineConfig:
     def invariant(self) -> bool:
         """A request's bits do not depend on its company: asked for, or the CPU fast mode (compiled w8a8's steps)."""
         return self.batch_invariant or (self.compile and self.quantize == "w8a8" and self.device == "cpu")
+
+    @property
+    def overlapped(self) -> bool:
+        return self.overlap == "on" or (self.overlap == "auto" and str(self.device).startswith("cuda"))
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
-from minigpt.common.transfer import to_device
+from minigpt.common.transfer import HostCopy, to_device
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.input_processor import InputProcessor
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.request import EngineRequest, Prompt
-from minigpt.engine.runner import ModelRunner
+from minigpt.engine.runner import Ahead, ModelRunner
 from minigpt.engine.scheduler import ScheduledBatch, Scheduler
 from minigpt.engine.seams import PostprocessStep, Speculation, Step
 from minigpt.engine.sequence import Sequence
 from minigpt.sampling import Sampler, prompt_logprobs
+from minigpt.sampling.params import penalised
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 
@@ -46,6 +47,7 @@ class Engine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._finished_requests: set[int] = set()  # of sequences finished in this step
+        self._ahead: Step | None = None  # launched by the last step, its tokens drawn and not read (overlap)
         self.on_step: Callable[[ScheduledBatch, list[Sequence], int], None] | None = None
 
     def make_request(self, prompt: Prompt, params: Any, kind: type | None = None) -> EngineRequest:
@@ -81,29 +83,57 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that got a token or finished scoring their prompt. A step
-        that raises fails its requests (finish_reason "error") and raises."""
-        batch = self.scheduler.schedule()
-        if not batch.chunks:
-            if self.scheduler.has_work():
-                raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
-            return []
-        try:
-            step = self._run(batch)
-            self._postprocess(step)
-        except Exception as err:
-            self._fail(batch, err)
-            raise
+        that raises fails its requests (finish_reason "error") and raises. Overlapped, a step whose tokens are
+        drawn on the device launches the next before it reads them (`config.overlap`)."""
+        step, self._ahead = self._ahead, None
+        if step is None:
+            batch = self.scheduler.schedule()
+            if not batch.chunks:
+                if self.scheduler.has_work():
+                    raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
+                return []
+            step = self._guarded(batch, self._run, batch)
+        if step.drawn is not None:
+            following = self.scheduler.schedule_ahead(step.seqs)
+            if following is not None:
+                self._ahead = self._guarded(following, self._run, following, step)
+        self._guarded(step.batch, self._postprocess, step)
         self._retire(step)
         return step.updated
 
-    def _run(self, batch: ScheduledBatch) -> Step:
+    def _guarded(self, batch: ScheduledBatch, work: Callable, *args: Any) -> Any:
+        try:
+            return work(*args)
+        except Exception as err:
+            self._ahead = None
+            self._fail(batch, err)
+            raise
+
+    def _run(self, batch: ScheduledBatch, before: Step | None = None) -> Step:
+        """Launch the batch; `before`: the step whose drawn tokens it decodes."""
         self.runner.copy_blocks(batch.copies)
         if self.speculator is not None:
             batch.chunks = self.speculator.draft(batch.chunks, self.scheduler.max_num_batched_tokens)
-        inputs = self.runner.prepare(batch.chunks)
-        return Step(batch, inputs, self.runner.run(inputs), list(inputs.sample_seqs), list(inputs.sample_rows))
+        ahead = None if before is None else Ahead(before.drawn.tensor, {seq: i for i, seq in enumerate(before.seqs)})
+        inputs = self.runner.prepare(batch.chunks, ahead)
+        step = Step(batch, inputs, self.runner.run(inputs), list(inputs.sample_seqs), list(inputs.sample_rows))
+        if self.config.overlapped and self._draws_ahead(step):
+            step.drawn = HostCopy(self.sampler.draw(self._sampled_logits(step), step.seqs, int(before is not None)))
+        return step
+
+    def _draws_ahead(self, step: Step) -> bool:
+        """Whether the step's tokens can be drawn on the device before it is postprocessed: one row a sequence,
+        each sampled, no feature acting on it, nothing the sampler needs them read for."""
+        inputs = step.inputs
+        return (self.speculator is None and not inputs.prompt_logprob_rows
+                and len(step.seqs) == len(step.batch.chunks) == len(step.rows)
+                and all(seq.params.logprobs is None and not penalised(seq.params) for seq in step.seqs)
+                and not any(feature.acts_on(step) for feature in self.steps))
 
     def _postprocess(self, step: Step) -> None:
+        if step.drawn is not None:
+            self._append_drawn(step)
+            return
         outputs_before = _num_outputs(step.inputs.sample_seqs)
         self._account_computed(step)
         self._record_prompt_logprobs(step)
@@ -113,6 +143,20 @@ class Engine:
         self._sample(step)
         step.updated += step.inputs.sample_seqs
         step.num_tokens = _num_outputs(step.inputs.sample_seqs) - outputs_before
+
+    def _append_drawn(self, step: Step) -> None:
+        """The drawn tokens read and appended, but for the sequences that finished (or were aborted) after the
+        step was launched on their last token: theirs was computed for nothing."""
+        tokens = step.drawn.tolist()
+        step.batch.chunks = [(seq, chunk) for seq, chunk in step.batch.chunks if not seq.finished]
+        self._account_computed(step)
+        live = [(seq, token) for seq, token in zip(step.seqs, tokens, strict=True) if not seq.finished]
+        for seq, token in live:
+            seq.append(token)
+            if seq.finished:
+                self._finish(seq)
+        step.inputs.sample_seqs = step.updated = [seq for seq, _ in live]
+        step.num_tokens = len(live)
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
         error = f"{type(err).__name__}: {err}"
@@ -157,14 +201,17 @@ class Engine:
                 self._finish(seq)
                 step.updated.append(seq)
 
+    def _sampled_logits(self, step: Step) -> torch.Tensor:
+        if len(step.rows) != step.logits.shape[0]:  # logits also hold prompt positions or beams: the sampled rows
+            return step.logits[self.device_rows(step.rows)]
+        return step.logits
+
     def _sample(self, step: Step) -> None:
         if not step.seqs:
             return
-        logits = step.logits
-        if len(step.rows) != logits.shape[0]:  # logits also hold prompt positions or beams: keep the sampled rows
-            logits = logits[self.device_rows(step.rows)]
         spec = self.speculator
-        out = self.sampler(logits, spec.sampling_rows(step.seqs) if spec else step.seqs, step.grammar)
+        out = self.sampler(self._sampled_logits(step), spec.sampling_rows(step.seqs) if spec else step.seqs,
+                           step.grammar)
         tokens, logprobs = out.token_ids, out.logprobs or [None] * len(out.token_ids)
         if len(tokens) == len(step.seqs):  # a row a sequence
             for seq, token, token_logprobs in zip(step.seqs, tokens, logprobs, strict=True):
@@ -191,6 +238,7 @@ class Engine:
 
     def close(self) -> None:
         """Free the KV pool and the compiled steps."""
+        self._ahead = None
         self.runner.close()
         if self.speculator is not None:
             self.speculator.close()

@@ -34,6 +34,14 @@ def num_sample_rows(seq: Sequence) -> int:
 
 
 @dataclass
+class Ahead:
+    """Tokens a step has drawn and not read yet, that the next step decodes: `rows[seq]` is seq's in `tokens`."""
+
+    tokens: torch.Tensor  # [R] int64, on the device
+    rows: dict[Sequence, int]
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -113,14 +121,15 @@ class ModelRunner:
         attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast)
         return self.model.run(input_ids, positions, attention, logits_rows)
 
-    def prepare(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+    def prepare(self, chunks: list[tuple[Sequence, int]], ahead: Ahead | None = None) -> StepInputs:
         """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes in their
-        rows' order (`DecodeRows`). Its host values go to the device in one copy."""
+        rows' order (`DecodeRows`). Its host values go to the device in one copy. With `ahead`, every sequence
+        decodes its token in `ahead`, one past its `token_ids`."""
         bs = self.config.block_size
         prefills: list[tuple[Sequence, int]] = []
         decodes: list[Sequence] = []
         for seq, chunk in chunks:
-            if is_decode(seq, chunk):
+            if ahead is not None or is_decode(seq, chunk):
                 decodes.append(seq)
             else:
                 prefills.append((seq, chunk))
@@ -156,10 +165,11 @@ class ModelRunner:
         num_prefill = len(ids)
         decodes, stale_rows, stale_tables = self.decode_rows.arrange(decodes)
         lens: list[int] = []
+        drawn = ahead is not None  # ids: rows of ahead.tokens then, replaced by their tokens on the device
         for seq in decodes:
             tokens = seq.token_ids
-            n = len(tokens)
-            ids.append(tokens[-1])
+            n = len(tokens) + drawn
+            ids.append(ahead.rows[seq] if drawn else tokens[-1])
             lens.append(n)
             slots.append(seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
         positions += (n - 1 for n in lens)
@@ -175,6 +185,8 @@ class ModelRunner:
         sizes = [len(ids), len(ids), len(ids), len(lens), len(rows), len(stale_rows), len(stale_tables),
                  *map(len, page_lists)]
         ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *pages_t = flat.split(sizes)
+        if ahead is not None:
+            ids_t = ahead.tokens[ids_t]
         tables = decode_lens = None
         if decodes:
             if stale_rows:

@@ -63,6 +63,28 @@ class Scheduler:
                 self._admit(batch, budget)
         return batch
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """The step `schedule` will give once `seqs`' tokens of the step now running are appended, given now
+        (each decodes the token it is drawing): when they are all that runs, none waits, and each has its page
+        for that token or one is free. None: that step needs the tokens read first."""
+        if self.waiting or len(seqs) != len(self.running) or len(seqs) > self.max_num_batched_tokens:
+            return None
+        blocks, growing = self.blocks, []
+        for seq in self.running:
+            n = len(seq.token_ids)  # the drawn token's position
+            if seq.status is not RUNNING or seq.draft_token_ids:
+                return None
+            if not blocks.has_room(seq.block_table, n, n + 1):
+                if blocks.shares(seq.block_table, n):
+                    return None  # a copy on write: `schedule`'s to make
+                growing.append(seq)
+        if not blocks.can_allocate(sum(blocks.blocks_needed(len(seq.token_ids) + 1) - len(seq.block_table)
+                                       for seq in growing)):
+            return None
+        for seq in growing:
+            blocks.grow(seq.block_table, len(seq.token_ids) + 1)
+        return ScheduledBatch([(seq, 1) for seq in self.running])
+
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give seq pages of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
         blocks are short."""

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from minigpt.common.transfer import HostCopy
 from minigpt.engine.runner import StepInputs, num_sample_rows
 from minigpt.engine.scheduler import ScheduledBatch
 from minigpt.engine.sequence import Sequence
@@ -26,6 +27,7 @@ class Step:
     updated: list[Sequence] = field(default_factory=list)  # what Engine.step returns
     grammar: GrammarMask | None = None
     num_tokens: int = 0  # the tokens its sequences gained, once sampled
+    drawn: HostCopy | None = None  # its tokens drawn already (an overlapped step's), one per row, read late
 
     def spans(self) -> Iterator[tuple[Sequence, slice]]:
         """Each sequence still to sample with its slice of `rows`."""
@@ -47,7 +49,12 @@ class Step:
         return taken
 
 
-PostprocessStep = Callable[[Step], None]
+class PostprocessStep(Protocol):
+    """A feature's part of every step, run before sampling: takes its sequences' rows out, or sets a mask."""
+
+    def __call__(self, step: Step) -> None: ...
+
+    def acts_on(self, step: Step) -> bool: ...  # False: the call would leave this step as it is
 
 
 class Speculation(Protocol):

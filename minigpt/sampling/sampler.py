@@ -57,41 +57,51 @@ class Sampler:
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None
                  ) -> SamplerOutput:
         """logits: [len(rows), vocab], any float dtype."""
-        if grammar is None and all(row.params.argmax_only for row in rows):
-            _check_shape(logits, rows)
-            # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
-            return SamplerOutput(argmax(logits[:, : self.vocab_limit].float()).tolist())
-        batch = self._batch(logits, rows, grammar)
-        params, sampled = batch.params, batch.sampled
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-
-        x = self._process(batch)
-        seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) for row in rows]
-        if len(sampled) == len(rows):
-            tokens = gumbel_argmax(x, seeds, steps)
-        else:
-            tokens = argmax(x)
-            if sampled:
-                idx = tensor_like(sampled, torch.int64, x)
-                tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
-
+        tokens, batch = self._draw(logits, rows, grammar, 0)
         out = SamplerOutput(tokens.tolist())
+        asked = [] if batch is None else [i for i, p in enumerate(batch.params) if p.logprobs is not None]
         if asked:
-            idx = tensor_like(asked, torch.int64, x)
-            found = _logprobs(batch.logits[idx], tokens[idx], [params[i].logprobs for i in asked])
+            idx = tensor_like(asked, torch.int64, tokens)
+            found = _logprobs(batch.logits[idx], tokens[idx], [batch.params[i].logprobs for i in asked])
             out.logprobs = [None] * len(rows)
             for i, lp in zip(asked, found, strict=True):
                 out.logprobs[i] = lp
         return out
 
+    def draw(self, logits: Tensor, rows: Sequence[SamplingRow], ahead: int = 0) -> Tensor:
+        """The tokens [len(rows)] `__call__` would give, left on the logits' device; each row `ahead` tokens
+        past its `output_token_ids` (drawn before the last step's tokens are read: no penalties then)."""
+        if ahead and any(penalised(row.params) for row in rows):
+            raise ValueError("penalties count the tokens drawn before: draw a penalised row with ahead=0")
+        return self._draw(logits, rows, None, ahead)[0]
+
+    def _draw(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None, ahead: int
+              ) -> tuple[Tensor, _Batch | None]:
+        if grammar is None and all(row.params.argmax_only for row in rows):
+            _check_shape(logits, rows)
+            # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
+            return argmax(logits[:, : self.vocab_limit].float()), None
+        batch = self._batch(logits, rows, grammar, ahead)
+        sampled = batch.sampled
+        x = self._process(batch)
+        seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) + ahead for row in rows]
+        if len(sampled) == len(rows):
+            return gumbel_argmax(x, seeds, steps), batch
+        tokens = argmax(x)
+        if sampled:
+            idx = tensor_like(sampled, torch.int64, x)
+            tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
+        return tokens, batch
+
     def process(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None) -> Tensor:
         """The fp32 logits [len(rows), vocab_limit] each row draws from (greedy rows: its argmax), out of place."""
-        return self._process(self._batch(logits, rows, grammar))
+        return self._process(self._batch(logits, rows, grammar, 0))
 
-    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None) -> _Batch:
+    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None, ahead: int
+               ) -> _Batch:
         _check_shape(logits, rows)
         params = [row.params for row in rows]
-        return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row) for row in rows],
+        return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row, ahead) for row in rows],
                       any(penalised(p) for p in params), any(biased(p) for p in params),
                       [i for i, p in enumerate(params) if not p.greedy], grammar)
 
@@ -107,9 +117,9 @@ class Sampler:
             x = suppress(x, batch.suppressed)
         return on_rows(x, batch.sampled, warp, batch.params)
 
-    def _suppressed(self, row: SamplingRow) -> list[int]:
+    def _suppressed(self, row: SamplingRow, ahead: int) -> list[int]:
         p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
+        if len(row.output_token_ids) + ahead >= p.min_tokens:
             return []
         return sorted({*(i for i in p.stop_token_ids if i < self.vocab_limit), *self._maskable_eos})
 

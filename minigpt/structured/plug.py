@@ -13,7 +13,7 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 
 def plug_structured_outputs(engine: Engine) -> None:
     engine.inputs.grammars = Grammars(engine.tokenizer)
-    engine.steps.append(grammar_mask)
+    engine.steps.append(GrammarMaskStep())
 
 
 class Grammars:
@@ -28,15 +28,22 @@ class Grammars:
         return lambda: compiler.matcher(constraint, params.max_tokens)
 
 
-def grammar_mask(step: Step) -> None:
+class GrammarMaskStep:
     """The tokens each structured-output sequence's grammar allows next, in the sampler's rows."""
-    if all(seq.grammar is None for seq in step.seqs):
-        return
+
+    def acts_on(self, step: Step) -> bool:
+        return any(seq.grammar is not None for seq in step.seqs)
+
+    def __call__(self, step: Step) -> None:
+        if self.acts_on(step):
+            step.grammar = grammar_mask(step)
+
+
+def grammar_mask(step: Step) -> GrammarMask:
     rows, states, left = [], [], []
     for seq, span in step.spans():
         if seq.grammar is not None:
             rows.append(span.start)
             states.append(seq.grammar)
             left.append(seq.max_len - len(seq.token_ids))
-    if rows:
-        step.grammar = GrammarMask(rows, fill_bitmask(states, left))
+    return GrammarMask(rows, fill_bitmask(states, left))
