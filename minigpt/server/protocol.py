@@ -3,7 +3,8 @@ checked strictly by pydantic; values once, by the params built from them, whose 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,40 @@ MAX_CHOICES = 2048
 # OpenAI's logit_bias: token ids as strings of digits -> a bias in [-100, 100]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
 Bias = Annotated[float, Field(ge=-100, le=100)]
+MAX_TOKENS = 16  # OpenAI's default
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Marks a body field that reaches SamplingParams, under its own name unless `param` gives one: `default`
+    where the body leaves it out (None: SamplingParams' own), `convert` from the body's spelling. `beam`:
+    use_beam_search reads the field itself; it refuses every other sampled field."""
+
+    default: Any = None
+    convert: Callable[[Any], Any] | None = None
+    param: str | None = None
+    beam: bool = False
+
+    def given(self, sent: Any) -> Any:
+        """The SamplingParams value for what a body sent (None: it left the field out)."""
+        if sent is None:
+            return self.default
+        return sent if self.convert is None else self.convert(sent)
+
+
+@functools.cache
+def sampled_fields(body: type[BaseModel]) -> dict[str, Sampled]:
+    """The fields of `body` that reach SamplingParams, in the order declared, each with how it gets there."""
+    return {name: mark for name, info in body.model_fields.items() for mark in info.metadata
+            if isinstance(mark, Sampled)}
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float] | None:
+    return {int(k): v for k, v in bias.items()} or None
+
+
+def _vllm_top_k(top_k: int) -> int:
+    return 0 if top_k == -1 else top_k  # vLLM spells "no top-k" as -1
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +75,10 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect) the output parses with")
     json_object: bool | None = Field(None, description="the output is a JSON object")
 
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=bool(self.json_object))
+
 
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -58,34 +97,47 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise invalid('response_format of type "json_schema" needs json_schema.schema', "response_format")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
 
 class SamplingFields(BaseModel):
-    """The fields /v1/completions and /v1/chat/completions share; null is the default, as OpenAI clients send it."""
+    """The fields /v1/completions and /v1/chat/completions share; null is the default, as OpenAI clients send it.
+    Those marked Sampled reach SamplingParams (CompletionRequest.sampling_params), the one list of them."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: Annotated[float | None, Sampled(default=1.0, beam=True)] = None  # OpenAI's default
+    top_p: Annotated[float | None, Sampled()] = None
+    n: Annotated[int | None, Sampled(beam=True)] = None
+    stop: Annotated[str | list[str] | None, Sampled()] = None
+    seed: Annotated[int | None, Sampled()] = None
+    presence_penalty: Annotated[float | None, Sampled()] = None
+    frequency_penalty: Annotated[float | None, Sampled()] = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[TokenIdKey, Bias] | None = Field(
-        None, description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")
+    logit_bias: Annotated[dict[TokenIdKey, Bias] | None, Sampled(convert=_token_keys), Field(
+        description="token id (a string of digits) -> bias in [-100, 100], added to that token's logit")] = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
-    allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be generated")
-    structured_outputs: StructuredOutputs | None = None
-    response_format: ResponseFormat | None = None
+    top_k: Annotated[int | None, Sampled(convert=_vllm_top_k)] = None
+    min_p: Annotated[float | None, Sampled()] = None
+    repetition_penalty: Annotated[float | None, Sampled()] = None
+    ignore_eos: Annotated[bool | None, Sampled(beam=True)] = None
+    stop_token_ids: Annotated[list[int] | None, Sampled()] = None
+    min_tokens: Annotated[int | None, Sampled()] = None
+    allowed_token_ids: Annotated[list[int] | None, Sampled(),
+                                 Field(description="only these token ids may be generated")] = None
+    structured_outputs: Annotated[StructuredOutputs | None, Sampled(convert=StructuredOutputs.params)] = None
+    # OpenAI's spelling of a structured output; not given with structured_outputs (sampling_params checks)
+    response_format: Annotated[ResponseFormat | None, Sampled(convert=ResponseFormat.params,
+                                                              param="structured_outputs", beam=True)] = None
 
     @property
     def include_usage(self) -> bool:
@@ -169,9 +221,9 @@ class CompletionRequest(SamplingFields):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, Sampled(default=MAX_TOKENS, beam=True)] = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int | None, Sampled()] = None
     echo: bool | None = None
     suffix: str | None = None
     use_beam_search: bool | None = Field(None, description="beam search with best_of (else n) beams; n returned")
@@ -194,7 +246,7 @@ class CompletionRequest(SamplingFields):
         return prompt
 
     def sampling_params(self, renames: Mapping[str, str] | None = None) -> SamplingParams:
-        """OpenAI defaults (max_tokens 16, temperature 1) where the request leaves a field out; `renames`: the
+        """OpenAI's defaults (each Sampled field's) where the request leaves a field out; `renames`: the
         body's names for the fields, where they are not this request's (chat's max_completion_tokens)."""
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
@@ -209,33 +261,19 @@ class CompletionRequest(SamplingFields):
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
         if self.stream and self.logprobs is not None and self.echo:
             raise invalid("logprobs with echo are not supported with stream=true", "logprobs")
-        top_k = self.top_k if self.top_k != -1 else 0  # vLLM spells "no top-k" as -1
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise invalid("give structured_outputs or response_format, not both", "response_format")
         prompt_logprobs = self.logprobs if self.echo else None
         if self.echo and self.max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # OpenAI's scoring call: the prompt echoed, nothing generated
-        given = {
-            "max_tokens": 16 if self.max_tokens is None else self.max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": self.top_p,
-            "n": self.n,
-            "stop": self.stop,
-            "seed": self.seed,
-            "logprobs": self.logprobs,
-            "prompt_logprobs": prompt_logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "top_k": top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": self.stop_token_ids,
-            "min_tokens": self.min_tokens,
-            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            "allowed_token_ids": self.allowed_token_ids,
-            "structured_outputs": self._structured_outputs(),
-        }
+        given: dict[str, Any] = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
         try:
-            return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+            for name, mark in sampled_fields(type(self)).items():
+                value = mark.given(getattr(self, name))
+                if value is not None:
+                    given[mark.param or name] = value
+            return SamplingParams(**given)
         except ParamError as err:
             raise self.field_names(renames).refusal(err) from None
 
@@ -246,25 +284,6 @@ class CompletionRequest(SamplingFields):
     def beam_names(self) -> FieldNames:
         return FieldNames(renames={"beam_width": "n" if self.best_of is None else "best_of"})
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        fmt = self.response_format
-        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
-            raise invalid("give structured_outputs or response_format, not both", "response_format")
-        try:
-            if self.structured_outputs is not None:
-                so = self.structured_outputs
-                return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice,
-                                               grammar=so.grammar, json_object=bool(so.json_object))
-            if fmt is None or fmt.type == "text":
-                return None
-            if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                raise invalid('response_format of type "json_schema" needs json_schema.schema', "response_format")
-            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
-        except ParamError as err:
-            raise self.field_names().refusal(err) from None
-
     def beam_search_params(self) -> BeamSearchParams:
         """use_beam_search: beam width best_of (else n), the n best hypotheses returned; the sampling fields
         are refused, and so is streaming."""
@@ -273,11 +292,8 @@ class CompletionRequest(SamplingFields):
         if self.stream or self.stream_options is not None:
             raise invalid("streaming is not supported with use_beam_search",
                           "stream" if self.stream else "stream_options")
-        sampling_only = ("top_p", "stop", "seed", "logprobs", "presence_penalty", "frequency_penalty", "top_k",
-                         "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
-                         "allowed_token_ids", "structured_outputs")
-        for name in sampling_only:
-            if getattr(self, name) is not None:
+        for name, mark in sampled_fields(type(self)).items():
+            if not mark.beam and getattr(self, name) is not None:
                 raise invalid(f"{name} does not apply to use_beam_search", name)
         if self.response_format is not None and self.response_format.type != "text":
             raise invalid("response_format does not apply to use_beam_search", "response_format")
@@ -292,7 +308,7 @@ class CompletionRequest(SamplingFields):
         if width > MAX_N:
             raise invalid(f"the beam width (best_of, else n) must be at most {MAX_N}, got {width}",
                           "best_of" if self.best_of is not None else "n")
-        given = {"max_tokens": 16 if self.max_tokens is None else self.max_tokens,
+        given = {"max_tokens": MAX_TOKENS if self.max_tokens is None else self.max_tokens,
                  "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
                  "ignore_eos": self.ignore_eos}
         try:
