@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (`python -m minigpt.serve`; the `server` extra: FastAPI, uvicorn, jinja2).
 
-    protocol.py     request bodies (pydantic) and their EnginePlan; refusals name the body's fields (FieldNames)
+    protocol.py     request bodies (pydantic), their sampling fields marked once (Sampled), and their EnginePlan;
+                    refusals name the body's fields (FieldNames)
     responses.py    answer shapes: headers, choices, usage, OpenAI's legacy logprobs
     submit.py       an EnginePlan submitted to the engine; its refusals and failures as OpenAI errors
     completions.py  /v1/completions and /v1/models
