@@ -251,6 +251,7 @@ class CompiledSteps:
     untrusted)."""
 
     PROGRAMS = ("layer", "layer_alone", "head", "head_alone", "before", "after")
+    generated_apart = True  # generated rows attend in the decode program, prompt rows by prompt_attention
 
     def __init__(self, model: GPT2, pool: KVPool, cache: ProgramCache) -> None:
         missing = missing_internals()

@@ -41,6 +41,8 @@ def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool: object) -> Callable
 class DecodeGraphs:
     """A decode backend for batches of up to `max(sizes)` sequences; max_pages: the page tables' width."""
 
+    generated_apart = False
+
     def __init__(self, forward: Forward, sizes: list[int], max_pages: int, scratch_block: int, block_size: int,
                  device: torch.device, capture: Capture = cuda_graph_capture) -> None:
         self.forward, self.sizes, self.capture = forward, sizes, capture

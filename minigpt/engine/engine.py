@@ -31,9 +31,8 @@ class Engine:
         self.config, self.tokenizer, self.runner = config, tokenizer, runner
         self._threads_before = threads_before
         self.model_config = runner.model.config
-        # compiled steps attend generated rows by another kernel than prompt rows (minigpt.compile.steps)
         self.blocks = BlockManager(runner.pool.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   generated_apart=config.compile)
+                                   generated_apart=runner.decoder.generated_apart)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids
         # a checkpoint's embedding may be padded past the tokenizer

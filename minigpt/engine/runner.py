@@ -55,7 +55,12 @@ class StepInputs:
 
 
 class DecodeBackend(Protocol):
-    """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start."""
+    """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start.
+    `generated_apart`: its steps attend generated rows by another kernel than prompt rows, so a page of
+    generated tokens is not interchangeable with the same tokens' page as a prompt (the prefix cache keeps them
+    apart)."""
+
+    generated_apart: bool
 
     def covers(self, inputs: StepInputs) -> bool: ...
 
@@ -64,6 +69,8 @@ class DecodeBackend(Protocol):
 
 class EagerSteps:
     """Every step through the eager forward: the decode backend when no other is chosen."""
+
+    generated_apart = False
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
