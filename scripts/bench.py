@@ -56,11 +56,12 @@ class MinigptPeer(P.Peer):
     # "+compile": the same mode with EngineConfig.compile (its one-time compile is not timed).
     dtypes = tuple(mode + option for option in ("", "+compile") for mode in ("float32", "bfloat16", *QUANTIZATIONS))
     # "+kv-float16", "+kv-bfloat16": a compiled mode over a half-precision KV pool (kv_cache_dtype); "+eager": a
-    # float mode on CUDA with EngineConfig.enforce_eager (no CUDA graphs); "+invariant": EngineConfig.batch_invariant
-    # (CPU); run when named.
+    # float mode on CUDA with EngineConfig.enforce_eager (no CUDA graphs); "+no-overlap": a float mode on CUDA
+    # with overlap="off" (each step reads its tokens before the next is laid out); "+invariant":
+    # EngineConfig.batch_invariant (CPU); run when named.
     extra_dtypes = (
         *(f"{mode}+kv-{kv}" for mode in dtypes if "+" in mode for kv in ("float16", "bfloat16")),
-        "float16", "float32+eager", "float16+eager", "bfloat16+eager",
+        "float16", "float32+eager", "float16+eager", "bfloat16+eager", "float32+no-overlap", "bfloat16+no-overlap",
         *(f"{mode}+invariant" for mode in ("float32", "bfloat16", "w8a8", "w8a8+compile+kv-float16")),
     )
 
@@ -74,7 +75,8 @@ class MinigptPeer(P.Peer):
     def _engine_args(self, mode: str) -> dict:
         dtype, *options = mode.split("+")
         args = {"dtype": dtype, "device": self.device, "num_threads": P.THREADS, "compile": "compile" in options,
-                "enforce_eager": "eager" in options, "batch_invariant": "invariant" in options}
+                "enforce_eager": "eager" in options, "batch_invariant": "invariant" in options,
+                "overlap": "off" if "no-overlap" in options else "auto"}
         for option in options:
             if option.startswith("kv-"):
                 args["kv_cache_dtype"] = option.removeprefix("kv-")

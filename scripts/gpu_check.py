@@ -8,7 +8,7 @@ Stages, each a child process with its own time budget (the run goes on past a fa
   tests           the CUDA-marked tests and the Triton kernels against their references
   checkpoints     random-weight checkpoints of gpt2's and gpt2-xl's shapes
   bench-gpt2      scripts/bench.py --device cuda: one stream, seed 000, seed 002 (batch 1..256), graphs on
-                  and off, transformers on the same GPU
+                  and off, overlap on and off, transformers on the same GPU
   bench-gpt2-xl   one stream of gpt2-xl's shape: GB/s against the device's bandwidth
   profile         scripts/profile_decode.py: where a gpt2 decode step's time goes, graphs on and off
 Writes gpu_check.log (every stage's output), gpu_check.json (each stage's status and the targets),
@@ -40,9 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 V100_SEED000_S = 4.86  # seed 000's batched run: 100 queries x 64 tokens on a V100
 TEST_FILES = ["tests/test_kernels.py", "tests/test_triton_engine.py", "tests/test_cuda_graphs.py",
-              "tests/test_half_precision.py"]
+              "tests/test_half_precision.py", "tests/test_overlap.py"]
 PROBE_FILE = "environment.json"  # the probe's answer, folded into gpu_check.json
-GPT2_MODES = "minigpt:float32,minigpt:bfloat16,minigpt:bfloat16+eager,transformers:bfloat16"
+GPT2_MODES = ("minigpt:float32,minigpt:bfloat16,minigpt:bfloat16+no-overlap,minigpt:bfloat16+eager,"
+              "transformers:bfloat16")
 XL_MODES = "minigpt:bfloat16,minigpt:bfloat16+eager,transformers:bfloat16"
 
 

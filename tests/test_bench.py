@@ -73,7 +73,8 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     import bench
 
     peer = bench.MinigptPeer()
-    common = {"device": "cpu", "num_threads": bench.P.THREADS, "enforce_eager": False, "batch_invariant": False}
+    common = {"device": "cpu", "num_threads": bench.P.THREADS, "enforce_eager": False, "batch_invariant": False,
+              "overlap": "auto"}
     assert peer._engine_args("w8a8+compile+kv-bfloat16") == {
         "dtype": "float32", "quantize": "w8a8", "compile": True, "kv_cache_dtype": "bfloat16", **common,
     }
@@ -83,6 +84,8 @@ def test_mode_names_map_to_engine_settings(monkeypatch):
     peer.device = "cuda"
     assert peer._engine_args("bfloat16+eager") == {**common, "dtype": "bfloat16", "compile": False, "device": "cuda",
                                                    "enforce_eager": True}
+    assert peer._engine_args("bfloat16+no-overlap") == {**common, "dtype": "bfloat16", "compile": False,
+                                                        "device": "cuda", "overlap": "off"}
     assert "w8a8+compile+kv-float16" in peer.extra_dtypes and "w8a8+kv-float16" not in peer.extra_dtypes
 
 
