@@ -11,7 +11,7 @@ import torch
 
 from minigpt import LLM, SamplingParams
 from minigpt.compile.steps import CompiledRows, LayerProgram, attention_scales, decode_step
-from minigpt.model.attention import PagedAttention, attention_inputs
+from minigpt.model.attention import PagedAttention
 from minigpt.model.backends import TorchBackend
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -85,7 +85,7 @@ def test_compiled_prompt_steps_equal_the_eager_ones(tiny_checkpoint):
             want = eager_step(runner, inputs, kv=pool)
             x = torch.randn(5, runner.model.config.n_embd)
             for block in runner.model.h:  # each layer its own results, not the first one's
-                torch.testing.assert_close(compiled[0](block, x), attention_inputs(block, x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(compiled[0](block, x), block.attention_inputs(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(runner.pool.kv, pool, rtol=1e-5, atol=1e-5)
 

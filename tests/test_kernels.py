@@ -18,8 +18,9 @@ import torch
 from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
 
 from minigpt.common.torch_support import release
+from minigpt.compile.attention import PROMPT_PIECE, causal_mask, prompt_attention
 from minigpt.kernels import reference
-from minigpt.model.attention import PROMPT_PIECE, causal_mask, prompt_attention, token_attention
+from minigpt.model.attention import token_attention
 from minigpt.model.backends import TorchBackend
 
 HERE = Path(__file__).parent

@@ -10,8 +10,8 @@ import torch
 
 from minigpt.common import cpu_class
 from minigpt.compile import pool_attention
+from minigpt.compile.attention import PoolAttention
 from minigpt.compile.pool_attention import NativePoolAttention
-from minigpt.model.attention import PoolAttention
 from minigpt.model.backends import store_kv
 
 

@@ -15,8 +15,8 @@ import torch
 
 from minigpt import kernels
 from minigpt.common.cpu_class import native_kernels_on, usable_flags
+from minigpt.compile.attention import PoolAttention
 from minigpt.compile.native import loads
-from minigpt.model.attention import PoolAttention
 
 SOURCE = Path(kernels.__file__).parent / "pool_attention_avx2.cpp"
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")

@@ -18,19 +18,11 @@ from torch.export import Dim
 
 from minigpt.common.errors import error_line
 from minigpt.compile import pool_attention
+from minigpt.compile.attention import PROMPT_PIECE, PoolAttention, causal_mask, prompt_attention
 from minigpt.compile.cache import ProgramCache, ProgramSpec, build_environment
 from minigpt.compile.torch_compat import missing_internals
 from minigpt.engine.kv_cache import KVPool
-from minigpt.model.attention import (
-    PROMPT_PIECE,
-    Attention,
-    PoolAttention,
-    StepMetadata,
-    attention_inputs,
-    attention_outputs,
-    causal_mask,
-    prompt_attention,
-)
+from minigpt.model.attention import StepMetadata
 from minigpt.model.backends import store_kv
 from minigpt.model.gpt2 import GPT2, Block, final_logits
 
@@ -47,14 +39,21 @@ def decode_layer(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: torch.Tensor,
-    attention: type[Attention] = PoolAttention,
+    attention: type[PoolAttention] = PoolAttention,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One block of a decode step: x [B, C] -> (the next x, the new K/V [2, B, H, D] to store, or None where the
     attention stored them in `pool`, this layer's)."""
-    q, k, v = attention_inputs(block, x)
-    y = attention(pool[None], block_tables, context_lens, scale[None])(0, q, k, v)
-    new_kv = None if attention.stores_kv else torch.stack([k, v]).to(pool.dtype)
-    return attention_outputs(block, x, y), new_kv
+    attend = attention(pool[None], block_tables, context_lens, scale[None])
+    return block(x, attend, 0), attend.new_kv
+
+
+def attention_inputs(block: Block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Block.attention_inputs` as a function a spec names (a spec loads module-level names only)."""
+    return block.attention_inputs(x)
+
+
+def attention_outputs(block: Block, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return block.attention_outputs(x, y)
 
 
 def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
@@ -63,7 +62,7 @@ def native_decode_layer(block: Block, x: torch.Tensor, pool: torch.Tensor, block
     return decode_layer(block, x, pool, block_tables, context_lens, scale, pool_attention.NativePoolAttention)
 
 
-class PoolDecode(Attention):
+class PoolDecode:
     """A decode step's blocks each one call of `layer` (`decode_layer` or its program), whose new K/V is stored
     after it where its attention did not store it (a program's `index_copy_` into its input pool would copy the
     pool whole); the head through `head`."""
@@ -100,8 +99,8 @@ def decode_step(
     head: Callable = final_logits,
 ) -> torch.Tensor:
     """One token per sequence -> logits [B, vocab], through the model's layer loop (`PoolDecode`)."""
-    attention = PoolDecode(kv_pool, block_tables, context_lens, slot_mapping, scales, layer, head)
-    return model.run(input_ids, positions, attention)
+    programs = PoolDecode(kv_pool, block_tables, context_lens, slot_mapping, scales, layer, head)
+    return model.run(input_ids, positions, None, programs=programs)
 
 
 def attention_scales(model: GPT2) -> torch.Tensor:
@@ -176,7 +175,7 @@ class HeadProgram:
         return self.program(*self.tensors, x)
 
 
-class CompiledRows(Attention):
+class CompiledRows:
     """A step with prompt chunks: each block's halves on every row, its K/V stored, then its prompt rows through
     `prompt_attention` and the `after` half, its generated rows (past their prompts) through the decode program,
     as a decode step would run them: the K/V of the rows before each are in the pool by then."""
@@ -332,8 +331,8 @@ class CompiledSteps:
     def __call__(self, inputs) -> torch.Tensor:
         meta = inputs.meta
         if not meta.decode_only:
-            attention = CompiledRows(self, meta, len(inputs.input_ids))
-            return self.model.run(inputs.input_ids, inputs.positions, attention, inputs.logits_indices)
+            programs = CompiledRows(self, meta, len(inputs.input_ids))
+            return self.model.run(inputs.input_ids, inputs.positions, None, inputs.logits_indices, programs)
         rows = len(inputs.input_ids)
         return decode_step(self.model, inputs.input_ids, inputs.positions, self.pool.kv, meta.decode_block_tables,
                            meta.decode_context_lens, meta.slot_mapping, self.scales,

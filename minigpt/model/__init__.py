@@ -1,7 +1,7 @@
 """GPT-2 itself: one layer loop every forward runs, the attention it is handed, and loading.
 
     gpt2.py            GPT2: embeddings, blocks, head; `run` is the layer loop; `load_model` (a WeightLayout)
-    attention.py       how a forward's tokens attend (causal, paged, invariant) and a block around it
+    attention.py       how a forward's tokens attend (causal, paged, invariant), as a block calls it
     backends.py        decode attention over the paged pool: PyTorch or Triton, chosen once
     activations.py     the activation functions a config.json may name
     config.py          GPT2Config: the fields of config.json that change the math

@@ -1,5 +1,5 @@
-"""How a forward's tokens attend, as `GPT2.run` calls it: `attention(layer, q, k, v)`, q, k, v (N, H, D) -> (N, H * D).
-An engine step is a flat batch: the prompt chunks, then one token per decoding sequence."""
+"""How a forward's tokens attend, as `Block.forward` calls it: `attention(layer, q, k, v)`, q, k, v (N, H, D) ->
+(N, H * D). An engine step is a flat batch: the prompt chunks, then one token per decoding sequence."""
 
 from __future__ import annotations
 
@@ -12,34 +12,11 @@ import torch.nn.functional as F
 from minigpt.common.transfer import to_device
 
 
-def attention_inputs(block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual stream (N, C) -> q, k, v (N, nh, hs)."""
-    return block.attn.qkv(block.ln_1(x).to(block.dtype))
-
-
-def attention_outputs(block, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Stream x and attention output y (N, C) -> the next stream."""
-    return block.add_mlp(x + block.attn.c_proj(y))
-
-
 class Attention:
-    """`block`: one block of the layer loop around this attention; `head`: the final head."""
+    """What `Block.forward` attends through: a layer's q, k, v (N, H, D) -> y (N, H * D)."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def block(self, layer: int, block, x: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """x (N, C) -> the next x; only `rows` go on past the attention (the last layer's logits rows)."""
-        q, k, v = attention_inputs(block, x)
-        y = self(layer, q, k, v)
-        if rows is not None:
-            x, y = x[rows], y[rows]
-            if not len(x):
-                return x
-        return attention_outputs(block, x, y)
-
-    def head(self, model, x: torch.Tensor) -> torch.Tensor:
-        return model.head(x)
 
 
 @dataclass
@@ -137,29 +114,6 @@ class InvariantAttention(PagedAttention):
         return y.to(q.dtype).reshape(q.shape[0], -1)
 
 
-class PoolAttention(Attention):
-    """One new token per sequence over its pages and its own K/V (counted in context_lens), writing them only where
-    `stores_kv` (else its caller stores them)."""
-
-    stores_kv = False
-
-    def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scales: torch.Tensor) -> None:
-        self.kv_pool, self.scales = kv_pool, scales
-        self.pages = block_tables.long()
-        self.cached = in_context(block_tables, context_lens - 1, kv_pool.shape[3])
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dtype, pool = q.dtype, self.kv_pool[layer]
-        q, k, v = q.float() * self.scales[layer], k.to(pool.dtype).float(), v.to(pool.dtype).float()
-        return self.over_pages(pool, q, k, v).to(dtype).reshape(q.shape[0], -1)
-
-    def over_pages(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Scaled fp32 queries q [B, H, D] and their own k, v (as the pool keeps them, in fp32) over this layer's
-        `pool` [2, pages, block_size, H, D] -> [B, H, D] fp32."""
-        return attend(q, pool[0][self.pages].float(), pool[1][self.pages].float(), self.cached, k, v)
-
-
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,74 +160,6 @@ def token_attention(
         q, k, v = q[None], k[None], v[None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.flatten(0, -3).transpose(0, 1)  # [1, H, T, D] or [H, T, D] -> [T, H, D]
-
-
-def in_context(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Which slots of the pages (B, W, block_size) hold one of the first `lengths` tokens."""
-    width = block_tables.shape[1]
-    slots = torch.arange(width * block_size, device=block_tables.device).view(1, width, block_size)
-    return slots < lengths[:, None, None]
-
-
-def attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    cached: torch.Tensor,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Scaled fp32 queries (B, H, D) over pages (B, W, block_size, H, D) where `cached`, and their own k, v if
-    given -> (B, H, D): products and sums inductor fuses with the page reads, each page summed first."""
-    scores = (q[:, None, None] * keys).sum(-1).masked_fill(~cached[..., None], float("-inf"))
-    top = scores.amax((1, 2))
-    if k is not None:
-        own = (q * k).sum(-1)  # (B, H)
-        top = torch.maximum(top, own)
-    weights = torch.exp(scores - top[:, None, None])
-    total = weights.sum((1, 2))
-    by_page = (weights[..., None] * values).sum(2)  # (B, W, H, D)
-    if k is None:
-        return by_page.sum(1) / total[..., None]
-    own_weight = torch.exp(own - top)
-    return (by_page.sum(1) + own_weight[..., None] * v) / (total + own_weight)[..., None]
-
-
-PROMPT_PIECE = 32  # query positions in each of `prompt_attention`'s calls
-
-
-def causal_mask(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[size, size] additive mask: position i sees positions <= i."""
-    return torch.full((size, size), float("-inf"), dtype=dtype, device=device).triu(1)
-
-
-def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, first: int,
-                     scale: float, causal: torch.Tensor) -> torch.Tensor:
-    """Prompt positions [first, first + T) q [T, H, D] (their K/V stored) -> [T, H, D], each row the same bits
-    however the prompt is chunked: SDPA of the PROMPT_PIECE positions its piece holds over the keys up to the
-    piece's end, so every call's shapes follow the piece alone. `causal`: a `causal_mask` past the last piece,
-    of the dtype attention runs in."""
-    end, dtype = first + len(q), causal.dtype
-    low, high = first // PROMPT_PIECE, -(-end // PROMPT_PIECE)
-    span, offset = high * PROMPT_PIECE, first - low * PROMPT_PIECE
-    heads, dim = k_cache.shape[2:]
-
-    def padded(rows: torch.Tensor, start: int, size: int) -> torch.Tensor:  # (1, H, size, D), zeros elsewhere
-        out = rows.new_zeros(size, heads, dim, dtype=dtype)
-        out[start : start + len(rows)] = rows
-        return out.transpose(0, 1)[None]
-
-    # the pages' stale slots past `end` may hold anything, NaN included: zeros instead
-    keys, values = (padded(cache[table].view(-1, heads, dim)[:end], 0, span) for cache in (k_cache, v_cache))
-    rows = padded(q, offset, span - low * PROMPT_PIECE)  # whole pieces
-    out = []
-    for piece in range(low, high):
-        seen = (piece + 1) * PROMPT_PIECE
-        at = (piece - low) * PROMPT_PIECE
-        mask = causal[seen - PROMPT_PIECE : seen, :seen]
-        out.append(F.scaled_dot_product_attention(rows[:, :, at : at + PROMPT_PIECE], keys[:, :, :seen],
-                                                  values[:, :, :seen], attn_mask=mask, scale=scale))
-    return torch.cat(out, 2)[0, :, offset : offset + len(q)].transpose(0, 1).to(q.dtype)
 
 
 INVARIANT_ROWS = 4  # queries in each of `invariant_attention`'s products

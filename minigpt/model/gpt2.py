@@ -52,8 +52,34 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention: Attention, layer: int,
+                rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """x (N, C) -> x + attn(ln_1 x) -> x + mlp(ln_2 x); only `rows` go on past the attention (the last layer's
+        logits rows)."""
+        y = attention(layer, *self.attention_inputs(x))  # (N, C)
+        if rows is not None:
+            x, y = x[rows], y[rows]
+            if not len(x):
+                return x
+        return self.attention_outputs(x, y)
+
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The half before the attention: x (N, C) -> q, k, v (N, nh, hs)."""
+        return self.attn.qkv(self.ln_1(x).to(self.dtype))
+
+    def attention_outputs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The half after it: x and the attention's output y (N, C) -> the next x."""
+        x = x + self.attn.c_proj(y)
         return x + self.mlp(self.ln_2(x).to(self.dtype))
+
+
+class Programs(Protocol):
+    """Compiled stand-ins for the blocks and the head (minigpt.compile): `block` as `Block.forward` with its own
+    attention, `head` as `GPT2.head`."""
+
+    def block(self, layer: int, block: Block, x: torch.Tensor, rows: torch.Tensor | slice | None) -> torch.Tensor: ...
+
+    def head(self, model: GPT2, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def final_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -122,15 +148,18 @@ class GPT2(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attention: Attention,
+        attention: Attention | None,
         logits_rows: torch.Tensor | slice | None = None,
+        programs: Programs | None = None,
     ) -> torch.Tensor:
-        """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only."""
+        """The layer loop: (N,) token ids and positions -> logits (N, vocab), or of `logits_rows` only; each block
+        attends through `attention`, or runs as `programs` runs it."""
         x = self.embed(input_ids, positions)  # (N, C) fp32
         last = len(self.h) - 1
         for layer, block in enumerate(self.h):
-            x = attention.block(layer, block, x, logits_rows if layer == last else None)
-        return attention.head(self, x)
+            rows = logits_rows if layer == last else None
+            x = block(x, attention, layer, rows) if programs is None else programs.block(layer, block, x, rows)
+        return self.head(x) if programs is None else programs.head(self, x)
 
     def attention_scales(self) -> list[float]:
         return [block.attn.scale for block in self.h]
