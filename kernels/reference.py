@@ -1,4 +1,5 @@
-"""PyTorch references for the paged-KV kernels, and the "torch" attention backend; never imports triton.
+"""PyTorch references for the paged-KV kernels, and the "torch" attention backend, and for the block's fused
+elementwise kernels (fused_block.py); never imports triton.
 
 k_cache, v_cache: [num_blocks, block_size, H, D]; token p sits in block block_table[p // block_size], and its
 slot is block * block_size + p % block_size."""
@@ -65,3 +66,20 @@ def paged_decode_attention(
     )[:, :, 0]  # (B, H, D)
     out = out.masked_fill(context_lens[:, None, None] <= 0, 0.0)
     return out
+
+
+def layernorm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """x's layernorm over the last dim, computed in fp32, in `dtype`."""
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(dtype)
+
+
+def add_layernorm(x: Tensor, delta: Tensor, weight: Tensor, bias: Tensor, eps: float,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(x + delta in x's dtype, its layernorm in `dtype`): a block's residual add and the norm after it."""
+    total = x + delta.to(x.dtype)
+    return total, layernorm(total, weight, bias, eps, dtype)
+
+
+def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
+    """GPT-2's gelu_new (the tanh approximation) of h + bias, computed in fp32, in h's dtype."""
+    return F.gelu(h.float() + bias.float(), approximate="tanh").to(h.dtype)

@@ -11,7 +11,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from minigpt.kernels import kv_store, paged_attention
+from minigpt.kernels import fused_block, kv_store, paged_attention
 
 TARGETS = [GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)]
 DTYPES = ["fp32", "fp16", "bf16"]
@@ -66,13 +66,39 @@ def store_source(dtype: str) -> ASTSource:
     return ASTSource(kv_store._store_kv_kernel, signature, constexprs)
 
 
+def fused_sources(dtype: str) -> list[ASTSource]:
+    """The block's fused kernels: the layernorm of an fp32 stream into ``dtype`` with and without the residual
+    add of a ``dtype`` update (rows of gpt2-xl's 1600), and bias + GELU of ``dtype`` rows."""
+    norm_signature = {
+        "x_ptr": "*fp32",
+        "delta_ptr": f"*{dtype}",
+        "sum_ptr": "*fp32",
+        "out_ptr": f"*{dtype}",
+        "weight_ptr": "*fp32",
+        "bias_ptr": "*fp32",
+        **dict.fromkeys(["n_cols", "stride_x", "stride_delta", "stride_sum", "stride_out"], "i32"),
+        "eps": "fp32",
+        **dict.fromkeys(["HAS_DELTA", "BLOCK"], "constexpr"),
+    }
+    gelu_signature = {
+        **dict.fromkeys(["h_ptr", "bias_ptr", "out_ptr"], f"*{dtype}"),
+        **dict.fromkeys(["n_cols", "stride_h", "stride_out"], "i32"),
+        "BLOCK": "constexpr",
+    }
+    return [
+        *(ASTSource(fused_block._add_layernorm_kernel, norm_signature, {"HAS_DELTA": delta, "BLOCK": 2048})
+          for delta in (False, True)),
+        ASTSource(fused_block._bias_gelu_kernel, gelu_signature, {"BLOCK": fused_block.GELU_BLOCK}),
+    ]
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter cannot compile kernels", file=sys.stderr)
         return 2
     failures = 0
     for dtype in DTYPES:
-        for src in [*decode_sources(dtype), store_source(dtype)]:
+        for src in [*decode_sources(dtype), store_source(dtype), *fused_sources(dtype)]:
             for target in TARGETS:
                 try:
                     kernel = compile(src, target=target)

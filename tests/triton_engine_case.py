@@ -36,6 +36,8 @@ def greedy(path, dtype: str, backend: str, kv_cache_dtype: str | None = None) ->
     with LLM(str(path), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=DEVICE, attention_backend=backend,
              **ENGINE_ARGS) as llm:
         assert llm.engine.runner.backend.name == backend
+        # the blocks' norms and GELU through the fused kernels on CUDA's Triton backend only
+        assert (llm.engine.runner.backend.fused is not None) == (backend == "triton" and DEVICE == "cuda")
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs]
 

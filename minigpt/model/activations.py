@@ -16,7 +16,7 @@ def _gelu_accurate(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's `gelu_new`; compiled as x * sigmoid(2u), the same function, as inductor's tanh is slower."""
     if torch.compiler.is_compiling():
         return x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x))
@@ -25,10 +25,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 # Same functions as transformers' ACT2FN, so fp32 logits agree to rounding.
 ACTIVATIONS = {
-    "gelu_new": _gelu_tanh,
+    "gelu_new": gelu_tanh,
     "gelu": F.gelu,
     "gelu_python": F.gelu,
-    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
     "gelu_python_tanh": _gelu_accurate,
     "gelu_fast": _gelu_fast,
     "gelu_accurate": _gelu_accurate,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,8 +13,23 @@ import torch.nn.functional as F
 from minigpt.common.transfer import to_device
 
 
+class FusedKernels(Protocol):
+    """A block's elementwise steps fused (minigpt/kernels/fused_block.py), as `reference`'s functions of these names."""
+
+    def layernorm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor: ...
+
+    def add_layernorm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def bias_gelu(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention:
-    """What `Block.forward` attends through: a layer's q, k, v (N, H, D) -> y (N, H * D)."""
+    """What `Block.forward` attends through: a layer's q, k, v (N, H, D) -> y (N, H * D); `fused`: the kernels the
+    block around it runs its norms and GELU through (its backend's), or None for torch's."""
+
+    fused: FusedKernels | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -69,6 +85,7 @@ class PagedAttention(Attention):
     def __init__(self, kv_pool: torch.Tensor, meta: StepMetadata, backend, scales: Sequence[float],
                  upcast: bool) -> None:
         self.kv_pool, self.meta, self.backend, self.scales, self.upcast = kv_pool, meta, backend, scales, upcast
+        self.fused = backend.fused
         self.fresh_mask = None
         if meta.num_fresh:
             self.fresh_mask = block_causal_mask([seg.length for seg in meta.prefills[: meta.num_fresh]], kv_pool.device)

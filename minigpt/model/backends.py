@@ -1,4 +1,5 @@
-"""Decode attention over the paged pool, one backend chosen at start: `store_kv(k, v, k_cache, v_cache, slots)` and
+"""Decode attention over the paged pool, one backend chosen at start (with the kernels, if any, its blocks fuse their
+norms and GELU through): `store_kv(k, v, k_cache, v_cache, slots)` and
 `decode(query, k_cache, v_cache, block_tables, context_lens, scale)`, a layer's pages (blocks, block_size, H, D)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class TorchBackend:
 
     name = "torch"
     store_kv = staticmethod(store_kv)
+    fused = None  # the blocks' norms and GELU in torch
 
     def __init__(self) -> None:
         self.workspace = torch.empty(0)
@@ -64,12 +66,13 @@ class TritonBackend:
     def __init__(self) -> None:
         from triton.runtime import JITFunction
 
-        from minigpt.kernels import kv_store, paged_attention
+        from minigpt.kernels import fused_block, kv_store, paged_attention
 
         self.store_kv = kv_store.store_kv
         self.decode = paged_attention.paged_decode_attention
         # triton.jit reads TRITON_INTERPRET when it decorates
         self.interpreted = not isinstance(paged_attention._paged_decode_kernel, JITFunction)
+        self.fused = None if self.interpreted else fused_block  # on CUDA: the blocks' norms and GELU fused too
 
     def close(self) -> None:
         pass

@@ -8,10 +8,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from minigpt.model.activations import ACTIVATIONS
-from minigpt.model.attention import Attention, CausalAttention
+from minigpt.model.activations import ACTIVATIONS, gelu_tanh
+from minigpt.model.attention import Attention, CausalAttention, FusedKernels
 from minigpt.model.config import GPT2Config
 from minigpt.model.weights import load_state_into, resolve_checkpoint, resolve_device, resolve_dtype
 
@@ -37,7 +38,9 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
         self.act = ACTIVATIONS[config.activation_function]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: FusedKernels | None = None) -> torch.Tensor:
+        if fused is not None and self.act is gelu_tanh and type(self.c_fc) is nn.Linear:  # not a quantized one
+            return self.c_proj(fused.bias_gelu(F.linear(x, self.c_fc.weight), self.c_fc.bias))
         return self.c_proj(self.act(self.c_fc(x)))
 
 
@@ -55,22 +58,30 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, attention: Attention, layer: int,
                 rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """x (N, C) -> x + attn(ln_1 x) -> x + mlp(ln_2 x); only `rows` go on past the attention (the last layer's
-        logits rows)."""
-        y = attention(layer, *self.attention_inputs(x))  # (N, C)
+        logits rows). The norms and the MLP's bias + GELU go through the attention's `fused` kernels where it has
+        them."""
+        fused = attention.fused
+        y = attention(layer, *self.attention_inputs(x, fused))  # (N, C)
         if rows is not None:
             x, y = x[rows], y[rows]
             if not len(x):
                 return x
-        return self.attention_outputs(x, y)
+        return self.attention_outputs(x, y, fused)
 
-    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attention_inputs(self, x: torch.Tensor, fused: FusedKernels | None = None) -> tuple[torch.Tensor, ...]:
         """The half before the attention: x (N, C) -> q, k, v (N, nh, hs)."""
-        return self.attn.qkv(self.ln_1(x).to(self.dtype))
+        ln = self.ln_1
+        h = ln(x).to(self.dtype) if fused is None else fused.layernorm(x, ln.weight, ln.bias, ln.eps, self.dtype)
+        return self.attn.qkv(h)
 
-    def attention_outputs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def attention_outputs(self, x: torch.Tensor, y: torch.Tensor, fused: FusedKernels | None = None) -> torch.Tensor:
         """The half after it: x and the attention's output y (N, C) -> the next x."""
-        x = x + self.attn.c_proj(y)
-        return x + self.mlp(self.ln_2(x).to(self.dtype))
+        ln = self.ln_2
+        if fused is None:
+            x = x + self.attn.c_proj(y)
+            return x + self.mlp(ln(x).to(self.dtype))
+        x, h = fused.add_layernorm(x, self.attn.c_proj(y), ln.weight, ln.bias, ln.eps, self.dtype)
+        return x + self.mlp(h, fused)
 
 
 class Programs(Protocol):
