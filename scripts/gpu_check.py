@@ -6,6 +6,8 @@
 Stages, each a child process with its own time budget (the run goes on past a failed stage):
   environment     nvidia-smi, versions, the device, its memory bandwidth, what compile=True says there
   tests           the CUDA-marked tests and the Triton kernels against their references
+  fused-kernels   the block's fused kernels (residual add + layernorm, bias + GELU) against torch at gpt2's and
+                  gpt2-xl's widths, their time beside torch's, and blocks through them against the plain forward
   checkpoints     random-weight checkpoints of gpt2's and gpt2-xl's shapes
   bench-gpt2      scripts/bench.py --device cuda: one stream, seed 000, seed 002 (batch 1..256), graphs on
                   and off, overlap on and off, transformers on the same GPU
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +74,7 @@ def stages(args: argparse.Namespace, checkpoints: Path) -> list[Stage]:
                                   [py, __file__, "--probe", str(out / PROBE_FILE), "--device", device]]),
         Stage("tests", 180, [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *parallel, "-m",
                               "cuda" if dry else "cuda or triton", f"--junitxml={out / 'pytest.xml'}", *TEST_FILES]]),
+        Stage("fused-kernels", 60, [[py, __file__, "--fused-check", "--device", device]]),
         Stage("checkpoints", 120, [
             [py, "scripts/make_checkpoint.py", str(gpt2), "--preset", "gpt2", *(tiny if dry else [])],
             [py, "scripts/make_checkpoint.py", str(xl), "--preset", "gpt2-xl", "--dtype", "bfloat16",
@@ -145,6 +150,69 @@ def probe(device: str, path: Path) -> None:
     print(json.dumps(info, indent=2))
 
 
+def fused_check(device: str) -> int:
+    """The fused kernels against their torch references (and the model's forward through them against the plain
+    one) within the kernel tests' tolerances, with each one's microseconds beside torch's; 1 on a mismatch."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when triton decorates: before its first import
+    import torch
+
+    from minigpt.kernels import fused_block, reference
+    from minigpt.model.attention import CausalAttention
+    from minigpt.model.config import GPT2Config
+    from minigpt.model.gpt2 import GPT2
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kernel_inputs import TOL
+
+    widths, rows, repeats = ((48,), (3,), 1) if device == "cpu" else ((768, 1600), (1, 64, 512), 50)
+    failed = 0
+
+    def timed(fn) -> float:  # median microseconds
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(1e6 * (time.perf_counter() - start))
+        return sorted(times)[len(times) // 2]
+
+    def check(name: str, tol: dict, fused_fn, torch_fn, normed: bool = False) -> None:
+        nonlocal failed
+        got, want = fused_fn(), torch_fn()
+        if normed:  # add_layernorm's (sum, norm): the norm
+            got, want = got[1], want[1]
+        error = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+        ok = torch.allclose(got.float(), want.float(), **tol)
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: max |error| {error:.2e}, {timed(fused_fn):8.1f} us fused, "
+              f"{timed(torch_fn):8.1f} us torch", flush=True)
+
+    for width, n, dtype in itertools.product(widths, rows, (torch.float32, torch.bfloat16, torch.float16)):
+        tol, label = TOL[dtype], f"C={width} N={n} {str(dtype).removeprefix('torch.')}"
+        x, delta = 3 * torch.randn(n, width, device=device), torch.randn(n, width, device=device).to(dtype)
+        weight, bias = torch.randn(2, width, device=device)
+        args = (x, delta, weight, bias, 1e-5, dtype)
+        check(f"add_layernorm {label}", tol, partial(fused_block.add_layernorm, *args),
+              partial(reference.add_layernorm, *args), normed=True)
+        h = 3 * torch.randn(n, 4 * width, device=device).to(dtype)
+        h_bias = torch.randn(4 * width, device=device).to(dtype)
+        check(f"bias_gelu {label}", tol, partial(fused_block.bias_gelu, h, h_bias),
+              partial(reference.bias_gelu, h, h_bias))
+    config = GPT2Config(n_embd=widths[-1], n_head=widths[-1] // 16 if device == "cpu" else 25, n_layer=2)
+    torch.manual_seed(0)
+    model = GPT2(config).to(device).eval()
+    ids = torch.randint(config.vocab_size, (2, 7 if device == "cpu" else 128), device=device)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids).flatten()
+    fused = CausalAttention(2, None, model.attention_scales(), False)
+    fused.fused = fused_block
+    with torch.no_grad():
+        check("gpt2 forward float32", dict(rtol=1e-4, atol=1e-4), partial(model.run, ids.flatten(), positions, fused),
+              lambda: model(ids).flatten(0, 1))
+    return 1 if failed else 0
+
+
 def bench_rows(path: Path, workload: str) -> list[dict]:
     try:
         return json.loads(path.read_text()).get(workload, [])
@@ -184,11 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", default="/tmp/minigpt-gpu-check", help="where the checkpoints are written")
     parser.add_argument("--stages", help="comma list of the stages to run (a rerun of those that failed); default: all")
     parser.add_argument("--probe", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--fused-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         probe(args.device, args.probe)
         return 0
+    if args.fused_check:
+        return fused_check(args.device)
     if args.out is None:
         parser.error("--out is required")
     out = Path(args.out)

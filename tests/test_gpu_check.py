@@ -31,7 +31,7 @@ def test_dry_run_takes_every_stage_and_writes_what_the_device_tool_brings_back(t
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["dry_run"] and summary["environment"]["device"] == "cpu"
     assert {name: s["status"] for name, s in summary["stages"].items()} == dict.fromkeys(
-        ["environment", "tests", "checkpoints", "bench-gpt2", "profile", "bench-gpt2-xl"], "ok")
+        ["environment", "tests", "fused-kernels", "checkpoints", "bench-gpt2", "profile", "bench-gpt2-xl"], "ok")
     assert len(summary["targets"]) == 5  # each measured, met or not
     files = [p.relative_to(out) for p in out.rglob("*") if p.is_file()]
     # the device tool brings back at most 8 files, at most 2 folders down, named in [A-Za-z0-9._-]
