@@ -28,7 +28,7 @@ class BeamGroup:
                  tokenizer: Tokenizer) -> None:
         k = params.beam_width
         self.tokenizer = tokenizer
-        self.timings = request.seqs[0].timings  # the prompt's: arrival, first scheduled, first token
+        self.stats = request.seqs[0].stats  # the prompt's: arrival, first scheduled, first token
         self.request_id, self.prompt = request.request_id, request.prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params = params
@@ -83,7 +83,7 @@ class BeamGroup:
             for beam in self.seqs:
                 self._drop(beam, scheduler)
             self.done = True
-            self.timings.finished = time.perf_counter()
+            self.stats.finished = time.perf_counter()
             return
         self._extend([(self.beams[parents[i]], tokens[i]) for i in survivors], scheduler)
 
@@ -152,13 +152,7 @@ class BeamGroup:
         else:
             reason = next((seq.finish_reason for seq in self.seqs if seq.finished), "abort")
             outputs = [CompletionOutput(0, [], "", reason)]
-        t = self.timings
-        scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival
-        first_token = t.first_token if t.first_token is not None else scheduled
-        end = t.finished if t.finished is not None else time.perf_counter()
-        steps = len(outputs[0].token_ids)
-        metrics = RequestMetrics(scheduled - t.arrival, first_token - t.arrival,
-                                 (end - first_token) / (steps - 1) if steps > 1 else 0.0, 0)
+        metrics = RequestMetrics(*self.stats.latencies(len(outputs[0].token_ids)), 0)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, metrics)
 
 

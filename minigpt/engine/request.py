@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,19 +109,13 @@ class Request:
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]
-        t = first.timings
-        scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival
-        first_token = t.first_token if t.first_token is not None else scheduled
-        end = t.finished if t.finished is not None else time.perf_counter()
-        n_out = len(first.output_token_ids)
+        stats = [s.stats for s in self.seqs]
         metrics = RequestMetrics(
-            queue_time=scheduled - t.arrival,
-            time_to_first_token=first_token - t.arrival,
-            time_per_output_token=(end - first_token) / (n_out - 1) if n_out > 1 else 0.0,
-            num_preemptions=sum(s.num_preemptions for s in self.seqs),
-            num_spec_steps=sum(s.num_spec_steps for s in self.seqs),
-            num_draft_tokens=sum(s.num_draft_tokens for s in self.seqs),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in self.seqs),
+            *first.stats.latencies(len(first.output_token_ids)),
+            num_preemptions=sum(s.num_preemptions for s in stats),
+            num_spec_steps=sum(s.num_spec_steps for s in stats),
+            num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
         )
         outputs = [
             CompletionOutput(i, list(s.output_token_ids), s.text, s.finish_reason, s.logprobs)

@@ -117,8 +117,8 @@ class Scheduler:
             if not self.blocks.can_allocate(fresh + revived):
                 break
             self.waiting.popleft()
-            if seq.timings.first_scheduled is None:  # not when readmitted after a preemption
-                seq.timings.first_scheduled = time.perf_counter()
+            if seq.stats.first_scheduled is None:  # not when readmitted after a preemption
+                seq.stats.first_scheduled = time.perf_counter()
             self.blocks.allocate(seq.block_table, cached, num_cached + chunk)
             seq.num_computed_tokens = num_cached
             seq.status = Status.RUNNING

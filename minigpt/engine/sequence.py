@@ -1,6 +1,6 @@
-"""One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool), its text
-so far (ending before the first stop string, as OpenAI's does) and why it stopped. The text is decoded as it is
-read, off the step's path, except where stop strings need it at every token."""
+"""One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool) and why it
+stopped. Its text (minigpt/engine/sequence_text.py) and its statistics live beside it; the text is decoded as it
+is read, off the step's path, except where stop strings need it at every token."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from minigpt.engine.stop_strings import stop_strings
+from minigpt.engine.sequence_text import SequenceText
 from minigpt.sampling import SamplingParams, TokenLogprobs
-from minigpt.tokenizer.tokenizer import IncrementalDecoder, Tokenizer
+from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 class Grammar(Protocol):
@@ -34,15 +34,29 @@ RUNNING, FINISHED = Status.RUNNING, Status.FINISHED  # what the step's loops com
 
 
 @dataclass
-class Timings:
+class SequenceStats:
+    """When it arrived, was first scheduled, got its first token and finished; preemptions; speculation's counts."""
+
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    num_preemptions: int = 0
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def latencies(self, num_outputs: int) -> tuple[float, float, float]:
+        """Seconds in the queue, to the first token and per output token after it (of `num_outputs`)."""
+        scheduled = self.first_scheduled if self.first_scheduled is not None else self.arrival
+        first_token = self.first_token if self.first_token is not None else scheduled
+        end = self.finished if self.finished is not None else time.perf_counter()
+        per_token = (end - first_token) / (num_outputs - 1) if num_outputs > 1 else 0.0
+        return scheduled - self.arrival, first_token - self.arrival, per_token
 
 
 class Sequence:
-    """Tokens, pages and text of one completion."""
+    """Tokens, pages and status of one completion; `text_state` its text, `stats` its statistics."""
 
     def __init__(
         self,
@@ -63,25 +77,16 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.timings = Timings()
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
         self.last_block_hash = 0
-        self.num_preemptions = 0
-        # speculation: tokens drafted for this step (verified after the last token), and counters
-        self.draft_token_ids: list[int] = []
-        self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self._text = ""
-        self._num_decoded = 0  # output tokens in _text
-        self._text_end: int | None = None  # output tokens the text covers, where a last one is not its (None: all)
-        self._flush_pending = False  # finished with the decoder's tail still to add to the text
-        self.num_streamed_chars = 0
+        self.draft_token_ids: list[int] = []  # speculation: tokens drafted for this step, verified after the last
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
-        self._decoder = IncrementalDecoder(tokenizer)
-        self._stops = stop_strings(params.stop) if params.stop else None
-        self._stop_state = 0  # where the text so far leaves the stop strings' automaton
+        self.text_state = SequenceText(tokenizer, params.stop)
+        self._scans_stops = self.text_state.stops is not None
+        self.stats = SequenceStats()
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
@@ -106,27 +111,28 @@ class Sequence:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        if self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter()
+        if self.stats.first_token is None:
+            self.stats.first_token = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
-        if self.logprobs is not None and logprobs is not None:
+        if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
         grammar_done = False
         if self.grammar is not None:
             if not self.grammar.advance(token_id):
-                self._text_end = len(self.output_token_ids) - 1
+                self.text_state.end = len(self.output_token_ids) - 1
                 self.fail(f"token {token_id} does not fit the structured output's grammar: {self.grammar.error}")
                 return
             grammar_done = self.grammar.complete
         stopped = token_id in self._stop_ids or (grammar_done and token_id in self._eos_ids)
         if stopped and len(self.output_token_ids) > self.params.min_tokens:
-            self._text_end = len(self.output_token_ids) - 1  # the stop token is not text
+            self.text_state.end = len(self.output_token_ids) - 1  # the stop token is not text
             self._finish("stop")
             return
-        if self._stops is not None:
-            self._scan_stop_strings()
-            if self.finished:
+        if self._scans_stops:
+            find = len(self.output_token_ids) > self.params.min_tokens
+            if self.text_state.cut_at_stop(self.output_token_ids, find):
+                self._finish("stop", flush=False)
                 return
         if grammar_done:
             self._finish("stop")
@@ -136,31 +142,18 @@ class Sequence:
     @property
     def text(self) -> str:
         """The output's text so far, decoded up to its last token now."""
-        ids = self.output_token_ids
-        end = len(ids) if self._text_end is None else self._text_end
-        if self._num_decoded < end:
-            self._text += self._decoder.feed_all(ids[self._num_decoded : end])
-            self._num_decoded = end
-        if self._flush_pending:
-            self._text += self._decoder.flush()
-            self._flush_pending = False
-        return self._text
+        return self.text_state.decoded(self.output_token_ids)
 
-    def _scan_stop_strings(self) -> None:
-        start = len(self._text)
-        delta = self.text[start:]
-        find = len(self.output_token_ids) > self.params.min_tokens
-        self._stop_state, index = self._stops.scan(self._stop_state, delta, find)
-        if index is not None:
-            self._text = self._text[: start + index]
-            self._finish("stop", flush=False)
+    def take_text_delta(self) -> str:
+        """Text not yet streamed, holding back a tail that may still become a stop string."""
+        return self.text_state.take_delta(self.output_token_ids, self.status is FINISHED)
 
     def _finish(self, reason: str, flush: bool = True) -> None:
         """`flush`: the text ends with what the decoder still holds (half a character, replaced)."""
-        self._flush_pending = flush
+        self.text_state.flush_pending = flush
         self.finish_reason = reason
         self.status = Status.FINISHED
-        self.timings.finished = time.perf_counter()
+        self.stats.finished = time.perf_counter()
 
     def fail(self, message: str) -> None:
         self.error = message
@@ -169,23 +162,14 @@ class Sequence:
     def abort(self) -> None:
         self._finish("abort", flush=False)
 
-    def take_text_delta(self) -> str:
-        """Text not yet streamed, holding back a tail that may still become a stop string."""
-        end = len(self.text)  # decodes what is new
-        if not self.finished and self._stops is not None:
-            end -= self._stops.held[self._stop_state]
-        delta = self.text[self.num_streamed_chars : end]
-        self.num_streamed_chars = max(self.num_streamed_chars, end)
-        return delta
-
     def fork(self, block_table: list[int]) -> Sequence:
         """A copy that goes on on its own, `block_table` sharing its pages by reference."""
         child = copy.copy(self)
         child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
         child.block_table = block_table
-        child.timings = replace(self.timings)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
-        child._decoder = self._decoder.copy()
+        child.text_state = self.text_state.copy()
+        child.stats = replace(self.stats)
         return child
 
     def preempt(self) -> None:
@@ -193,5 +177,4 @@ class Sequence:
         self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
         self.draft_token_ids = []
         self.status = Status.WAITING
-        self.num_preemptions += 1
-
+        self.stats.num_preemptions += 1

@@ -118,9 +118,10 @@ class Speculator:
         self.blocks.shrink(seq.block_table, len(seq.token_ids))
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        seq.num_spec_steps += 1
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_tokens += num_accepted
+        stats = seq.stats
+        stats.num_spec_steps += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
         state = self._adaptive.get(seq)
         if state is not None:
             trials = num_accepted + (num_accepted < num_drafts)  # drafts after the first rejection are not tried
