@@ -93,13 +93,15 @@ def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> t
 
 
 class DeviceStandIn(HostCopy):
-    """Tokens ready `seconds` after their step was launched: reading them waits for the rest."""
+    """A device running one step at a time, each `seconds` long: a step's tokens are ready that long after it
+    was launched or after the step before it was done, whichever is later; reading them waits for the rest."""
 
     seconds = 0.0
+    busy_until = 0.0
 
     def __init__(self, tensor: torch.Tensor) -> None:
         super().__init__(tensor)
-        self.ready = time.perf_counter() + self.seconds
+        self.ready = DeviceStandIn.busy_until = max(time.perf_counter(), DeviceStandIn.busy_until) + self.seconds
 
     def tolist(self) -> list:
         time.sleep(max(0.0, self.ready - time.perf_counter()))
