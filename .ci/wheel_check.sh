@@ -57,7 +57,7 @@ assert torch.equal(layer(x), layer(torch.cat([x, torch.randn(7, 64)]))[:1])
 print("CI: the AVX2 int8 kernel builds from the wheel and gives fbgemm's bits")
 from minigpt.compile import pool_attention
 from minigpt.compile.pool_attention import NativePoolAttention
-from minigpt.model.attention import PoolAttention
+from minigpt.compile.attention import PoolAttention
 assert "site-packages" in str(pool_attention.SOURCE), pool_attention.SOURCE
 pool = torch.randn(1, 2, 8, 16, 4, 64).half()
 assert pool_attention.usable(pool), "the C++ decode attention did not build from the installed wheel"
