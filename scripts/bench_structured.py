@@ -19,6 +19,7 @@ import torch
 
 from minigpt import LLM, SamplingParams, StructuredOutputsParams
 from minigpt.sampling.bitmask import apply_bitmask
+from minigpt.structured import plug
 
 # one long free-text field: random weights stay inside it, so every sequence keeps decoding
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
@@ -56,17 +57,16 @@ def main() -> None:
     engine = llm.engine
     fill_ms: list[float] = []
     bitmasks: list[torch.Tensor] = []
-    fill = engine._grammar_mask
+    fill = plug.grammar_mask
 
-    def timed_fill(sampled):
+    def timed_fill(step):
         start = time.perf_counter()
-        mask = fill(sampled)
-        if mask is not None:
-            fill_ms.append(1e3 * (time.perf_counter() - start))
-            bitmasks.append(mask.bitmask)
+        mask = fill(step)
+        fill_ms.append(1e3 * (time.perf_counter() - start))
+        bitmasks.append(mask.bitmask)
         return mask
 
-    engine._grammar_mask = timed_fill
+    plug.grammar_mask = timed_fill  # what GrammarMaskStep calls in a step with a grammar
     modes = {"none": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0, ignore_eos=True),
              "json schema": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0,
                                            structured_outputs=StructuredOutputsParams(json=SCHEMA))}
