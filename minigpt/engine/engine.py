@@ -45,7 +45,6 @@ class Engine:
         self.requests: dict[int, EngineRequest] = {}  # added and not yet finished
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self._finished_requests: set[int] = set()  # of sequences finished in this step
         self._ahead: Step | None = None  # launched by the last step, its tokens drawn and not read (overlap)
         self.on_step: Callable[[ScheduledBatch, list[Sequence], int], None] | None = None
 
@@ -170,11 +169,10 @@ class Engine:
 
     def _retire(self, step: Step) -> None:
         """Forget the step's finished requests; count the step."""
-        for request_id in self._finished_requests | {seq.request_id for seq in step.updated if seq.finished}:
+        for request_id in {seq.request_id for seq in step.updated if seq.finished}:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
                 del self.requests[request_id]
-        self._finished_requests.clear()
         self.num_steps += 1
         self.num_generated_tokens += step.num_tokens
         if self.on_step is not None:
@@ -230,7 +228,6 @@ class Engine:
         return to_device(rows, torch.int64, self.runner.device)
 
     def _finish(self, seq: Sequence) -> None:
-        self._finished_requests.add(seq.request_id)
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
