@@ -149,11 +149,9 @@ class Engine:
         step.batch.chunks = [(seq, chunk) for seq, chunk in step.batch.chunks if not seq.finished]
         self._account_computed(step)
         live = [(seq, token) for seq, token in zip(step.seqs, tokens, strict=True) if not seq.finished]
-        for seq, token in live:
-            seq.append(token)
-            if seq.finished:
-                self._finish(seq)
-        step.inputs.sample_seqs = step.updated = [seq for seq, _ in live]
+        seqs = [seq for seq, _ in live]
+        self._append_each(seqs, [token for _, token in live], [None] * len(live))
+        step.inputs.sample_seqs = step.updated = seqs
         step.num_tokens = len(live)
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
@@ -211,16 +209,19 @@ class Engine:
                            step.grammar)
         tokens, logprobs = out.token_ids, out.logprobs or [None] * len(out.token_ids)
         if len(tokens) == len(step.seqs):  # a row a sequence
-            for seq, token, token_logprobs in zip(step.seqs, tokens, logprobs, strict=True):
-                seq.append(token, token_logprobs)
-                if seq.finished:
-                    self._finish(seq)
+            self._append_each(step.seqs, tokens, logprobs)
             return
         for seq, rows in step.spans():
             if rows.stop - rows.start == 1:
                 seq.append(tokens[rows.start], logprobs[rows.start])
             else:
                 spec.verify(seq, tokens[rows], logprobs[rows])
+            if seq.finished:
+                self._finish(seq)
+
+    def _append_each(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
+        for seq, token, token_logprobs in zip(seqs, tokens, logprobs, strict=True):
+            seq.append(token, token_logprobs)
             if seq.finished:
                 self._finish(seq)
 
