@@ -16,7 +16,7 @@ from minigpt.engine.request import EngineRequest, Prompt
 from minigpt.engine.runner import Ahead, ModelRunner
 from minigpt.engine.scheduler import ScheduledBatch, Scheduler
 from minigpt.engine.seams import PostprocessStep, Speculation, Step
-from minigpt.engine.sequence import Sequence
+from minigpt.engine.sequence import FINISHED, Sequence
 from minigpt.sampling import Sampler, prompt_logprobs
 from minigpt.sampling.params import penalised
 from minigpt.tokenizer.tokenizer import Tokenizer
@@ -222,7 +222,7 @@ class Engine:
     def _append_each(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
         for seq, token, token_logprobs in zip(seqs, tokens, logprobs, strict=True):
             seq.append(token, token_logprobs)
-            if seq.finished:
+            if seq.status is FINISHED:
                 self._finish(seq)
 
     def device_rows(self, rows: list[int]) -> torch.Tensor:

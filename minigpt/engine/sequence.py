@@ -93,6 +93,7 @@ class Sequence:
         self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
         self.grammar = grammar
         self._eos_ids = set(eos_token_ids)
+        self._plain = False  # from its first token on, when it has no grammar, stop strings or logprobs
 
     @property
     def finished(self) -> bool:
@@ -111,10 +112,15 @@ class Sequence:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
-        if self.stats.first_token is None:
-            self.stats.first_token = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+        if self._plain and token_id not in self._stop_ids:  # most tokens of most sequences: nothing to watch
+            if len(self.token_ids) >= self.max_len:
+                self._finish("length")
+            return
+        if self.stats.first_token is None:
+            self.stats.first_token = time.perf_counter()
+            self._plain = self.grammar is None and not self._scans_stops and self.logprobs is None
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
         grammar_done = False
