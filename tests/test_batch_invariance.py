@@ -16,7 +16,7 @@ import random
 import pytest
 
 from minigpt import LLM, SamplingParams
-from minigpt.engine.config import EngineConfig
+from minigpt.engine.config import BatchInvariance, EngineConfig
 
 N_POSITIONS = 128
 MAX_TOKENS = 24
@@ -109,8 +109,16 @@ def test_fast_mode_is_invariant_on_long_prompts(checkpoint_factory):
 
 
 def test_fast_mode_says_it_is_invariant():
-    assert EngineConfig(**FAST_MODE).invariant and not EngineConfig(quantize="w8a8").invariant
-    assert EngineConfig(quantize="w8a8", batch_invariant=True).invariant
+    assert EngineConfig(**FAST_MODE).invariance.holds and not EngineConfig(quantize="w8a8").invariance.holds
+    assert EngineConfig(quantize="w8a8", batch_invariant=True).invariance.holds
+
+
+def test_invariance_is_decided_in_one_place():
+    """What each mode turns on: the invariant attention, tiled float linears, and what the server reports."""
+    assert EngineConfig().invariance == BatchInvariance(attention=False, tiled_linears=False, holds=False)
+    assert EngineConfig(batch_invariant=True).invariance == BatchInvariance(True, True, True)
+    assert EngineConfig(batch_invariant=True, quantize="w8a8").invariance == BatchInvariance(True, False, True)
+    assert EngineConfig(**FAST_MODE).invariance == BatchInvariance(attention=False, tiled_linears=False, holds=True)
 
 
 @pytest.mark.parametrize(("args", "message"), [

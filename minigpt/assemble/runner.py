@@ -48,7 +48,7 @@ def load_model_for(path: Path, config: EngineConfig, shard: Shard | None = None)
         quantize(model, config.quantize)
     else:
         prepare_linears(model, dtype, device)
-    if config.batch_invariant and config.quantize != "w8a8":  # w8a8's integer products are per row already
+    if config.invariance.tiled_linears:
         tile_rows(model)
     if shard is not None:
         shard.reduce_projections(model)

@@ -21,6 +21,17 @@ def _setting(default: object, help: str, flag: str | None = "", choices: tuple[s
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices})
 
 @dataclass(frozen=True)
+class BatchInvariance:
+    """`attention`: every query through the invariant attention (its keys in fixed tiles); `tiled_linears`: float
+    linears run a fixed count of rows at a time (w8a8's integer products are per row already); `holds`: a
+    request's bits do not depend on its company, which the server reports."""
+
+    attention: bool
+    tiled_linears: bool
+    holds: bool
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     dtype: str = _setting("float32", "float32 | float16 | bfloat16: weights, activations and (by default) the KV pool")
     device: str = _setting("cpu", "cpu | cuda")
@@ -124,9 +135,12 @@ class EngineConfig:
                                                      Named("quantize", "w8a8")))
 
     @property
-    def invariant(self) -> bool:
-        """A request's bits do not depend on its company: asked for, or the CPU fast mode (compiled w8a8's steps)."""
-        return self.batch_invariant or (self.compile and self.quantize == "w8a8" and self.device == "cpu")
+    def invariance(self) -> BatchInvariance:
+        """How this engine keeps a request's bits independent of its company: the one place that decides it."""
+        fast_mode = self.compile and self.quantize == "w8a8" and self.device == "cpu"  # compiled w8a8's steps
+        return BatchInvariance(attention=self.batch_invariant,
+                               tiled_linears=self.batch_invariant and self.quantize != "w8a8",
+                               holds=self.batch_invariant or fast_mode)
 
     @property
     def overlapped(self) -> bool:

@@ -95,7 +95,7 @@ class ModelRunner:
                            spare_blocks=spare_blocks)
         self.scales, self.upcast = model.attention_scales(), model.config.reorder_and_upcast_attn
         self.backend = select_backend(config.attention_backend, self.device)
-        self.attention_kind = InvariantAttention if config.batch_invariant else PagedAttention
+        self.attention_kind = InvariantAttention if config.invariance.attention else PagedAttention
         # new prompts attend in one call on a GPU (one small call each would idle it); one by one on the CPU
         self.batched_prefill = self.device.type == "cuda"
         self.decoder: DecodeBackend = EagerSteps(self)

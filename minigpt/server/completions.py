@@ -40,7 +40,7 @@ class CompletionServer:
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minigpt",
                 "max_model_len": self.llm.engine.model_config.n_positions,
-                "batch_invariant": self.llm.engine.config.invariant, "cpu_class": self.cpu_class}
+                "batch_invariant": self.llm.engine.config.invariance.holds, "cpu_class": self.cpu_class}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response | dict:
         check_model(body.model, self.model_name)
