@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.precompil
     start = time.perf_counter()
     try:
         with LLM(args.model, **engine_args) as llm:
-            entry = llm.engine.runner.decoder.cache_entry
+            entry = llm.engine.runner.forward_path.cache_entry
     except KeyboardInterrupt:
         return 130
     except USER_ERRORS as err:

@@ -66,7 +66,7 @@ def main() -> None:
         bitmasks.append(mask.bitmask)
         return mask
 
-    plug.grammar_mask = timed_fill  # what GrammarMaskStep calls in a step with a grammar
+    plug.grammar_mask = timed_fill  # what GrammarMasker calls in a step with a grammar
     modes = {"none": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0, ignore_eos=True),
              "json schema": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0,
                                            structured_outputs=StructuredOutputsParams(json=SCHEMA))}

@@ -58,7 +58,7 @@ def profile(args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
-    graphs = "CUDA graphs" if isinstance(engine.runner.decoder, DecodeGraphs) else "eager"
+    graphs = "CUDA graphs" if isinstance(engine.runner.forward_path, DecodeGraphs) else "eager"
     mode = " ".join(f"{name} {value}" for name, value in (("quantize", args.quantize), ("compile", args.compile),
                                                            ("KV", args.kv_cache_dtype)) if value)
     print(f"{args.model} | {args.device} {args.dtype} {mode} | {graphs} | batch {args.batch} | "

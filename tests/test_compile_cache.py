@@ -40,7 +40,7 @@ def built_entry(tiny_checkpoint):
         want = tokens(llm)
     with LLM(str(tiny_checkpoint), compile=True) as llm:
         assert tokens(llm) == want
-        return llm.engine.runner.decoder.cache_entry, want
+        return llm.engine.runner.forward_path.cache_entry, want
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_a_second_engine_loads_the_entry_without_compiling(tiny_checkpoint, buil
     entry, want = built_entry
     with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
         with LLM(str(tiny_checkpoint), compile=True) as llm:
-            assert llm.engine.runner.decoder.cache_entry == entry
+            assert llm.engine.runner.forward_path.cache_entry == entry
             assert tokens(llm) == want
             assert [llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == want
 
@@ -145,7 +145,7 @@ def test_steps_built_in_turn_or_side_by_side_serve_alike(tiny_checkpoint, built_
     entry, want = built_entry
     with mock.patch.object(compile_cache, "build_workers", return_value=workers):
         with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(tmp_path)) as llm:
-            assert llm.engine.runner.decoder.cache_entry.name == entry.name
+            assert llm.engine.runner.forward_path.cache_entry.name == entry.name
             assert tokens(llm) == want
     assert sorted(path.name for path in (tmp_path / entry.name).iterdir()) == sorted(
         path.name for path in entry.iterdir())  # packages and manifest only: no spec or log left behind
@@ -225,7 +225,7 @@ def test_precompile_builds_the_entry_a_later_engine_loads(tiny_checkpoint, compi
     assert (compile_cache_dir / entry.rsplit("/", 1)[-1] / MANIFEST).is_file()
     with mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("compiled again")):
         with LLM(str(tiny_checkpoint), compile=True, block_size=8) as llm:
-            assert str(llm.engine.runner.decoder.cache_entry) == entry
+            assert str(llm.engine.runner.forward_path.cache_entry) == entry
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ def session_entry(tiny_checkpoint, eager_tokens):
     """The tiny model's entry in the session's cache, built if need be."""
     with LLM(str(tiny_checkpoint), compile=True) as llm:
         assert tokens(llm) == eager_tokens
-        return llm.engine.runner.decoder.cache_entry
+        return llm.engine.runner.forward_path.cache_entry
 
 
 def planted_copy(entry: Path, root: Path, marker: Path) -> Path:
@@ -247,7 +247,7 @@ def test_a_planted_entry_in_a_folder_others_can_write_never_runs(tiny_checkpoint
     with (mock.patch.object(ProgramCache, "_build", side_effect=AssertionError("stored")),
           caplog.at_level(logging.WARNING, logger="minigpt")):
         with LLM(str(tiny_checkpoint), compile=True, compile_cache_dir=str(root)) as llm:
-            assert llm.engine.runner.decoder.cache_entry is None
+            assert llm.engine.runner.forward_path.cache_entry is None
             assert tokens(llm) == eager_tokens
     assert not marker.exists() and contents(root) == before
     assert f"{root} is writable by group and others (mode 777)" in caplog.text

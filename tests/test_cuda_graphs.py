@@ -53,7 +53,7 @@ def test_a_batch_replays_the_smallest_size_that_holds_it():
 def test_cpu_engine_captures_no_graph_and_keeps_no_scratch_page(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), block_size=8, kv_cache_tokens=256) as llm:
         runner = llm.engine.runner
-        assert not isinstance(runner.decoder, DecodeGraphs)
+        assert not isinstance(runner.forward_path, DecodeGraphs)
         assert runner.pool.kv.shape[2] == runner.pool.num_blocks == 32
 
 
@@ -80,7 +80,7 @@ def with_graphs(llm: LLM, max_batch: int) -> Counter:
     replayed = Counter()
     for size, replay in list(graphs.graphs.items()):
         graphs.graphs[size] = lambda replay=replay, size=size: replayed.update([size]) or replay()
-    runner.decoder = graphs
+    runner.forward_path = graphs
     return replayed
 
 
@@ -93,7 +93,7 @@ def run(path, max_batch: int | None, logprobs: int = 2):
         outs = llm.generate(random_prompts(LENGTHS), params)
         pool = llm.engine.runner.pool.kv.clone()
         if max_batch:
-            scratch = llm.engine.runner.decoder.scratch_block
+            scratch = llm.engine.runner.forward_path.scratch_block
             pool[:, :, scratch] = 0  # padding rows' page
             llm.engine.blocks.free.append(scratch)
         assert_all_free(llm)
@@ -134,7 +134,7 @@ def test_logits_outlive_the_next_replay(tiny_checkpoint):
 def test_padding_rows_are_reset_after_a_larger_step(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), block_size=8, kv_cache_tokens=1024) as llm:
         with_graphs(llm, 8)
-        engine, graphs = llm.engine, llm.engine.runner.decoder
+        engine, graphs = llm.engine, llm.engine.runner.forward_path
         for prompt in random_prompts([5, 9, 20]):
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
         engine.step()  # prefills
@@ -157,7 +157,7 @@ def test_cuda_graphs_equal_the_eager_engine(tiny_checkpoint, dtype):
     results = []
     for eager in (False, True):
         with LLM(str(tiny_checkpoint), device="cuda", dtype=dtype, enforce_eager=eager, block_size=8) as llm:
-            assert (not isinstance(llm.engine.runner.decoder, DecodeGraphs)) == eager
+            assert (not isinstance(llm.engine.runner.forward_path, DecodeGraphs)) == eager
             outs = llm.generate(prompts, params)
             results.append([(o.token_ids, o.logprobs) for o in outs])
             assert_all_free(llm)
@@ -173,6 +173,6 @@ def test_cuda_engine_with_graphs_gives_transformers_tokens(tiny_checkpoint):
     prompts = random_prompts(LENGTHS)
     want = [hf_greedy(reference, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
     with LLM(str(tiny_checkpoint), device="cuda", block_size=8) as llm:
-        assert isinstance(llm.engine.runner.decoder, DecodeGraphs)
+        assert isinstance(llm.engine.runner.forward_path, DecodeGraphs)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
     assert [o.token_ids for o in outs] == want

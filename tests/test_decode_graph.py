@@ -77,11 +77,11 @@ def test_compiled_prompt_steps_equal_the_eager_ones(tiny_checkpoint):
         runner = engine.runner
         inputs = runner.prepare(engine.scheduler.schedule().chunks)
         assert len(inputs.meta.prefills) == len(LENGTHS)
-        compiled = runner.decoder.halves
+        compiled = runner.forward_path.halves
         assert all(isinstance(half, LayerProgram) for half in compiled)
         pool = runner.pool.kv.clone()
         with torch.inference_mode():
-            got = runner.decoder(inputs)
+            got = runner.forward_path(inputs)
             want = eager_step(runner, inputs, kv=pool)
             x = torch.randn(5, runner.model.config.n_embd)
             for block in runner.model.h:  # each layer its own results, not the first one's
@@ -117,7 +117,7 @@ def test_decodes_among_prompts_run_the_decode_program_and_equal_transformers(tin
     # with [5, 64], one sequence decodes next to the other's chunks
     batches = [(random_prompts(LENGTHS, seed=7), MAX_TOKENS), (random_prompts([5, 64], seed=8), [12, 4])]
     with LLM(str(tiny_checkpoint), compile=True, block_size=8, max_num_batched_tokens=24) as llm:
-        steps, rows, inside = llm.engine.runner.decoder, [], []
+        steps, rows, inside = llm.engine.runner.forward_path, [], []
         layer, (layer_alone, head_alone), block = steps.layer, steps.alone, CompiledRows.block
 
         def counted(program):

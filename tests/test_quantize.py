@@ -173,7 +173,7 @@ def test_compiled_w8a8_engine_equals_eager(tiny_checkpoint):
         def counted(program, name):
             return lambda *inputs: calls.append(name) or program(*inputs)
 
-        compiled = llm.engine.runner.decoder
+        compiled = llm.engine.runner.forward_path
         compiled.alone = tuple(map(counted, compiled.alone, ("layer", "head")))
         del compiled
         assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want

@@ -1,4 +1,4 @@
-"""The model runner an EngineConfig asks for: the model loaded with its linears, then its decode backend."""
+"""The model runner an EngineConfig asks for: the model loaded with its linears, then its forward path."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
         from minigpt.compile.cache import ProgramCache
         from minigpt.compile.steps import CompiledSteps
 
-        runner.decoder = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir))
+        runner.forward_path = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir))
     elif graphs:
         pages = -(-runner.model.config.n_positions // config.block_size)
-        runner.decoder = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), pages,
+        runner.forward_path = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), pages,
                                       runner.pool.num_blocks, config.block_size, runner.device)
-        runner.decoder.capture_all()
+        runner.forward_path.capture_all()
     return runner
 
 

@@ -2,5 +2,5 @@
 
     params.py  BeamSearchParams and BeamSearchOutput
     search.py  BeamGroup: a request's live beams and the hypotheses they finish
-    plug.py    beam search plugged into the engine: its request kind and postprocess step
+    plug.py    beam search plugged into the engine: its request kind and postprocessor
 """

@@ -21,9 +21,9 @@ from minigpt.sampling import SamplingParams
 
 
 def plug_beam_search(engine: Engine) -> None:
-    beam_step = BeamStep(engine)
-    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine, beam_step.track))
-    engine.steps.append(beam_step)
+    beam_postprocessor = BeamPostprocessor(engine)
+    engine.inputs.register(BeamSearchParams, functools.partial(make_beam_group, engine, beam_postprocessor.track))
+    engine.postprocessors.append(beam_postprocessor)
 
 
 def make_beam_group(engine: Engine, track: Callable[[BeamGroup], None], prompt: Prompt,
@@ -43,7 +43,7 @@ def make_beam_group(engine: Engine, track: Callable[[BeamGroup], None], prompt: 
     return group
 
 
-class BeamStep:
+class BeamPostprocessor:
     """Takes the beams' rows out of a step (one row each: beams never draft) and advances their groups."""
 
     def __init__(self, engine: Engine) -> None:

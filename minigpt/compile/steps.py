@@ -246,7 +246,7 @@ class CompiledRows:
 
 
 class CompiledSteps:
-    """A compiled engine's steps, every one (`DecodeBackend`), its programs from `cache` (`cache_entry` None:
+    """A compiled engine's steps, every one (`ForwardPath`), its programs from `cache` (`cache_entry` None:
     untrusted)."""
 
     PROGRAMS = ("layer", "layer_alone", "head", "head_alone", "before", "after")

@@ -2,7 +2,7 @@
 
     engine.py            Engine: the step loop and its postprocess
     input_processor.py   requests checked and built (the one context check)
-    seams.py             what features plug in: postprocess steps, speculation
+    seams.py             what features plug in: postprocessors, speculation
     config.py            EngineConfig: every setting, its default and its help (CLI flags come from it)
     speculative_config.py  the speculative_config dict, checked
     scheduler.py         continuous batching: which sequences run next and how many tokens each

@@ -39,7 +39,7 @@ def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool: object) -> Callable
 
 
 class DecodeGraphs:
-    """A decode backend for batches of up to `max(sizes)` sequences; max_pages: the page tables' width."""
+    """A forward path for batches of up to `max(sizes)` sequences; max_pages: the page tables' width."""
 
     generated_apart = False
 

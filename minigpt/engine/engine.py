@@ -15,7 +15,7 @@ from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.request import EngineRequest, Prompt
 from minigpt.engine.runner import Ahead, ModelRunner
 from minigpt.engine.scheduler import ScheduledBatch, Scheduler
-from minigpt.engine.seams import PostprocessStep, Speculation, Step
+from minigpt.engine.seams import Postprocessor, Speculation, Step
 from minigpt.engine.sequence import FINISHED, Sequence
 from minigpt.sampling import Sampler, prompt_logprobs
 from minigpt.sampling.params import penalised
@@ -32,7 +32,7 @@ class Engine:
         self._threads_before = threads_before
         self.model_config = runner.model.config
         self.blocks = BlockManager(runner.pool.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   generated_apart=runner.decoder.generated_apart)
+                                   generated_apart=runner.forward_path.generated_apart)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids
         # a checkpoint's embedding may be padded past the tokenizer
@@ -40,7 +40,7 @@ class Engine:
         self.sampler = Sampler(self.vocab_limit, eos_token_ids)
         self.inputs = InputProcessor(config, tokenizer, self.vocab_limit, eos_token_ids,
                                      self.model_config.n_positions, self.blocks, runner.pool.num_tokens)
-        self.steps: list[PostprocessStep] = []  # features' steps, run before sampling
+        self.postprocessors: list[Postprocessor] = []  # features' hooks over a step's logits, run before sampling
         self.speculator: Speculation | None = None
         self.requests: dict[int, EngineRequest] = {}  # added and not yet finished
         self.num_steps = 0
@@ -126,7 +126,7 @@ class Engine:
         return (self.speculator is None and not inputs.prompt_logprob_rows
                 and len(step.seqs) == len(step.batch.chunks) == len(step.rows)
                 and all(seq.params.logprobs is None and not penalised(seq.params) for seq in step.seqs)
-                and not any(feature.acts_on(step) for feature in self.steps))
+                and not any(feature.acts_on(step) for feature in self.postprocessors))
 
     def _postprocess(self, step: Step) -> None:
         if step.drawn is not None:
@@ -136,8 +136,8 @@ class Engine:
         self._account_computed(step)
         self._record_prompt_logprobs(step)
         self._finish_scoring(step)
-        for feature_step in self.steps:
-            feature_step(step)
+        for postprocessor in self.postprocessors:
+            postprocessor(step)
         self._sample(step)
         step.updated += step.inputs.sample_seqs
         step.num_tokens = _num_outputs(step.inputs.sample_seqs) - outputs_before

@@ -55,7 +55,7 @@ class StepInputs:
     prefill_seqs: list[Sequence]  # those computing prompt (or drafted) tokens
 
 
-class DecodeBackend(Protocol):
+class ForwardPath(Protocol):
     """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start.
     `generated_apart`: its steps attend generated rows by another kernel than prompt rows, so a page of
     generated tokens is not interchangeable with the same tokens' page as a prompt (the prefix cache keeps them
@@ -68,8 +68,8 @@ class DecodeBackend(Protocol):
     def __call__(self, inputs: StepInputs) -> torch.Tensor: ...
 
 
-class EagerSteps:
-    """Every step through the eager forward: the decode backend when no other is chosen."""
+class EagerForward:
+    """Every step through the eager forward: the forward path when no other is chosen."""
 
     generated_apart = False
 
@@ -98,7 +98,7 @@ class ModelRunner:
         self.attention_kind = InvariantAttention if config.invariance.attention else PagedAttention
         # new prompts attend in one call on a GPU (one small call each would idle it); one by one on the CPU
         self.batched_prefill = self.device.type == "cuda"
-        self.decoder: DecodeBackend = EagerSteps(self)
+        self.forward_path: ForwardPath = EagerForward(self)
         self.decode_rows = DecodeRows(config.max_num_seqs, -(-model.config.n_positions // config.block_size),
                                       self.device)
         logger.info(
@@ -120,8 +120,8 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [R, vocab] of the step's `logits_indices` rows; the step's K/V land in the pool."""
-        if self.decoder.covers(inputs):
-            return self.decoder(inputs)
+        if self.forward_path.covers(inputs):
+            return self.forward_path(inputs)
         return self.forward(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
@@ -223,7 +223,7 @@ class ModelRunner:
     def close(self) -> None:
         self.pool.kv = torch.empty(0)
         self.backend.close()
-        self.decoder = EagerSteps(self)
+        self.forward_path = EagerForward(self)
         self.decode_rows.clear()
 
 

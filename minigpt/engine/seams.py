@@ -1,4 +1,4 @@
-"""What features plug into the step through: postprocess steps over a step's logits, and speculation."""
+"""What features plug into the step through: postprocessors over a step's logits, and speculation."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class Step:
         return taken
 
 
-class PostprocessStep(Protocol):
+class Postprocessor(Protocol):
     """A feature's part of every step, run before sampling: takes its sequences' rows out, or sets a mask."""
 
     def __call__(self, step: Step) -> None: ...

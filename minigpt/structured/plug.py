@@ -13,7 +13,7 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 
 def plug_structured_outputs(engine: Engine) -> None:
     engine.inputs.grammars = Grammars(engine.tokenizer)
-    engine.steps.append(GrammarMaskStep())
+    engine.postprocessors.append(GrammarMasker())
 
 
 class Grammars:
@@ -28,7 +28,7 @@ class Grammars:
         return lambda: compiler.matcher(constraint, params.max_tokens)
 
 
-class GrammarMaskStep:
+class GrammarMasker:
     """The tokens each structured-output sequence's grammar allows next, in the sampler's rows."""
 
     def acts_on(self, step: Step) -> bool:
