@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minigpt.batch") -
         return 2
     if not args.quiet:
         log_to_stderr(logging.INFO)
-    from minigpt.serving.async_engine import AsyncLLM
+    from minigpt.async_llm.async_engine import AsyncLLM
 
     engine_args = engine_args_from(args)
     # the window holds at most max_in_flight prompts, or one request alone (MAX_CHOICES at most): never a refusal

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             check_api_key(api_key)
         except ValueError as err:
             parser.error(f"{where}: {err}")
-    from minigpt.serving.async_engine import AsyncLLM
+    from minigpt.async_llm.async_engine import AsyncLLM
 
     try:
         if args.ray_address is None:  # elsewhere, the cluster's head binds it

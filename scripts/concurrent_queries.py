@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from minigpt import AsyncLLM, SamplingParams
-from minigpt.serving.metrics import EngineMetrics
+from minigpt.async_llm.metrics import EngineMetrics
 
 WORDS = (
     "the river morning garden light music window story market winter history family country question "

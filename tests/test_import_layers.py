@@ -17,7 +17,7 @@ LAYERS = [
     ("features", ["minigpt.beam", "minigpt.speculative", "minigpt.structured", "minigpt.tensor_parallel",
                   "minigpt.compile", "minigpt.quant"]),
     ("assembly", ["minigpt.assemble"]),
-    ("serving", ["minigpt.serving", "minigpt.server", "minigpt.batch_jobs", "minigpt.replicas"]),
+    ("serving", ["minigpt.async_llm", "minigpt.server", "minigpt.batch_jobs", "minigpt.replicas"]),
     ("front", ["minigpt", "minigpt.llm", "minigpt.generate", "minigpt.serve", "minigpt.batch", "minigpt.precompile",
                "minigpt.cli"]),
 ]
@@ -124,7 +124,7 @@ def test_no_folders_import_each_other_in_a_circle():
 
 @pytest.mark.parametrize(("module", "target", "up"), [("minigpt.model.gpt2", "minigpt.engine.runner", True),
                                                        ("minigpt.engine.runner", "minigpt.model.gpt2", False),
-                                                       ("minigpt.llm", "minigpt.serving.async_engine", False)])
+                                                       ("minigpt.llm", "minigpt.async_llm.async_engine", False)])
 def test_the_check_sees_direction(module, target, up):
     assert (layer_of(target) > layer_of(module)) is up
 

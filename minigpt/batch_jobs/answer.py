@@ -13,6 +13,7 @@ from typing import Any
 import pydantic
 from fastapi.exceptions import RequestValidationError
 
+from minigpt.async_llm.async_engine import AsyncLLM
 from minigpt.batch_jobs.window import Window
 from minigpt.server import protocol, responses
 from minigpt.server.chat import ChatCompletionRequest, chat_body, chat_plan
@@ -20,7 +21,6 @@ from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError, check_model, invalid, validation_error
 from minigpt.server.protocol import CompletionRequest, EnginePlan
 from minigpt.server.submit import failure, submit_plan
-from minigpt.serving.async_engine import AsyncLLM
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)

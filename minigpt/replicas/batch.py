@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from minigpt.async_llm.async_engine import AsyncLLM
 from minigpt.batch_jobs.answer import Answer, Answerer
 from minigpt.batch_jobs.job import EngineStopped
 from minigpt.batch_jobs.window import Window
@@ -19,7 +20,6 @@ from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.cluster import ray_cluster
 from minigpt.replicas.options import replica_resources
 from minigpt.server.chat_template import ChatTemplate
-from minigpt.serving.async_engine import AsyncLLM
 
 START_NOTICE_S = 60
 RESTARTS = 8  # per replica: past it (a line that kills every engine it meets), the job stops; a rerun resumes

@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from minigpt.async_llm.async_engine import AsyncLLM
 from minigpt.model.weights import resolve_checkpoint
 from minigpt.replicas.cluster import ray_cluster
 from minigpt.replicas.options import replica_resources
@@ -25,7 +26,6 @@ from minigpt.replicas.routing import PrefixAffinityRouter
 from minigpt.server.app import build_app
 from minigpt.server.chat_template import ChatTemplate
 from minigpt.server.errors import APIError
-from minigpt.serving.async_engine import AsyncLLM
 
 APP, ENGINE = "minigpt", "minigpt-engine"
 REPLICA_HEADER = b"x-minigpt-replica"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from minigpt.async_llm.async_engine import AsyncLLM
 from minigpt.common.version import __version__
 from minigpt.server.chat import ChatServer
 from minigpt.server.chat_template import ChatTemplate
@@ -13,7 +14,6 @@ from minigpt.server.errors import install_handlers
 from minigpt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from minigpt.server.middleware import BearerAuth, BodyLimits, check_api_key
 from minigpt.server.tokenization import Tokenization
-from minigpt.serving.async_engine import AsyncLLM
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")

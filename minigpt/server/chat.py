@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
+from minigpt.async_llm.request_handle import RequestHandle, StreamDelta
 from minigpt.common.errors import ParamError
 from minigpt.engine.input_processor import check_context
 from minigpt.engine.request import RequestOutput
@@ -21,7 +22,6 @@ from minigpt.server.errors import check_model, invalid
 from minigpt.server.protocol import ChatMessage, CompletionRequest, EnginePlan, SamplingFields
 from minigpt.server.responses import chat_completion_id, header, usage
 from minigpt.server.streams import event_stream
-from minigpt.serving.request_handle import RequestHandle, StreamDelta
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound

@@ -8,6 +8,8 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
+from minigpt.async_llm.async_engine import AsyncLLM
+from minigpt.async_llm.request_handle import RequestHandle, StreamDelta
 from minigpt.common import cpu_class
 from minigpt.engine.request import RequestOutput
 from minigpt.server.errors import check_model
@@ -15,8 +17,6 @@ from minigpt.server.protocol import CompletionRequest, EnginePlan, completion_pl
 from minigpt.server.responses import LogprobsWriter, choice, completion_body, completion_id, header, now
 from minigpt.server.streams import event_stream, unless_disconnected
 from minigpt.server.submit import failure, submit_plan
-from minigpt.serving.async_engine import AsyncLLM
-from minigpt.serving.request_handle import RequestHandle, StreamDelta
 
 
 class CompletionServer:

@@ -9,8 +9,8 @@ import signal
 import uvicorn
 from fastapi import FastAPI
 
+from minigpt.async_llm.async_engine import AsyncLLM
 from minigpt.server.connections import uvicorn_config
-from minigpt.serving.async_engine import AsyncLLM
 
 # uvicorn's own cancel of the tasks still open, a backstop once the engine has ended every request
 BACKSTOP_SECONDS = 5.0

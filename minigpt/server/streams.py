@@ -10,9 +10,9 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from minigpt.async_llm.request_handle import RequestHandle, StreamDelta
 from minigpt.server.errors import APIError
 from minigpt.server.responses import usage
-from minigpt.serving.request_handle import RequestHandle, StreamDelta
 
 T = TypeVar("T")
 

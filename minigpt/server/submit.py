@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from minigpt.async_llm.async_engine import AsyncLLM, QueueFullError
+from minigpt.async_llm.request_handle import RequestHandle
 from minigpt.common.errors import ParamError
 from minigpt.server.errors import APIError, invalid
 from minigpt.server.protocol import EnginePlan
-from minigpt.serving.async_engine import AsyncLLM, QueueFullError
-from minigpt.serving.request_handle import RequestHandle
 
 
 def submit_plan(llm: AsyncLLM, plan: EnginePlan) -> list[RequestHandle]:

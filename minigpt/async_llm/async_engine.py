@@ -18,12 +18,12 @@ from typing import Literal
 import torch
 
 from minigpt.assemble.engine import build_engine
+from minigpt.async_llm.metrics import EngineMetrics, MetricsCollector
+from minigpt.async_llm.request_handle import RequestHandle
 from minigpt.beam.params import BeamSearchParams
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.request import Prompt
 from minigpt.sampling import SamplingParams
-from minigpt.serving.metrics import EngineMetrics, MetricsCollector
-from minigpt.serving.request_handle import RequestHandle
 from minigpt.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("minigpt")
