@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from minigpt import LLM, SamplingParams, StructuredOutputsParams
+from minigpt import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from minigpt.engine.seams import Step
+from minigpt.sampling import GrammarMask
 from minigpt.sampling.bitmask import allowed_tokens, apply_bitmask, bitmask_words
 from minigpt.structured.grammar import MISSING_EXTRA, compiler_for
 
@@ -261,3 +264,44 @@ def test_bitmask_unpacks_bit_j_of_word_i_as_token_32i_plus_j():
     masked = apply_bitmask(logits, bitmask)
     assert torch.equal(masked[expected.bool()], logits[expected.bool()])
     assert torch.isneginf(masked[~expected.bool()]).all()
+
+
+def test_a_mask_set_before_rows_are_taken_follows_the_rows_left():
+    """Step.take keeps a grammar mask on the sequences that stay, whatever took rows out after it was set."""
+    a, b, c = (SimpleNamespace(draft_token_ids=drafts) for drafts in ([], [7], []))  # rows: a 0, b 1-2, c 3
+    step = Step(None, None, None, [a, b, c], [10, 11, 12, 13])
+    step.grammar = GrammarMask([0, 3], torch.tensor([[1], [3]], dtype=torch.int32))  # a's and c's
+    assert step.take(lambda seq: seq is a) == ([a], [10])
+    assert (step.seqs, step.rows, step.grammar.rows, step.grammar.bitmask.tolist()) == ([b, c], [11, 12, 13], [2],
+                                                                                        [[3]])
+    step.take(lambda seq: seq is c)
+    assert step.grammar is None
+
+
+def test_postprocessors_run_in_any_order(llm):
+    """Beams taken out and grammars masked in one step give the same tokens in either order of the two."""
+    engine = llm.engine
+
+    def run() -> list:
+        requests = [engine.make_request("Hello", BeamSearchParams(beam_width=3, max_tokens=6)),  # rows first
+                    engine.make_request("The answer is", SamplingParams(
+                        n=3, max_tokens=12, temperature=1.0, seed=5, structured_outputs=StructuredOutputsParams(
+                            regex=REGEX)))]
+        for request in requests:
+            engine.add(request)
+        while not all(request.finished for request in requests):
+            engine.step()
+        return [request.output() for request in requests]
+
+    first = engine.postprocessors[:]
+    assert {type(p).__name__ for p in first} == {"BeamPostprocessor", "GrammarMasker"}
+    want = run()
+    engine.postprocessors.reverse()
+    try:
+        got = run()
+    finally:
+        engine.postprocessors[:] = first
+    assert [s.token_ids for s in got[0].sequences] == [s.token_ids for s in want[0].sequences]
+    assert [c.token_ids for c in got[1].outputs] == [c.token_ids for c in want[1].outputs]
+    assert all(re.fullmatch(REGEX, c.text) for c in got[1].outputs)
+    assert_all_free(llm)

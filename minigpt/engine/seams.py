@@ -17,7 +17,7 @@ from minigpt.sampling import GrammarMask, TokenLogprobs
 
 @dataclass
 class Step:
-    """One step's logits on their way to tokens: a feature's step takes its rows out, or sets `grammar`."""
+    """One step's logits on their way to tokens: a postprocessor takes its rows out, or sets `grammar`."""
 
     batch: ScheduledBatch
     inputs: StepInputs
@@ -38,14 +38,22 @@ class Step:
             row += n
 
     def take(self, claim: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[int]]:
-        """Take out the sequences `claim` picks; returns them and their rows."""
+        """Take out the sequences `claim` picks; returns them and their rows. A grammar mask set before keeps
+        the rows of the sequences left (so postprocessors may run in any order)."""
         taken: tuple[list[Sequence], list[int]] = ([], [])
         kept: tuple[list[Sequence], list[int]] = ([], [])
+        moved: dict[int, int] = {}  # a kept sequence's first row before -> after
         for seq, rows in self.spans():
             seqs, picked = taken if claim(seq) else kept
+            if picked is kept[1]:
+                moved[rows.start] = len(picked)
             seqs.append(seq)
             picked += self.rows[rows]
         self.seqs, self.rows = kept
+        if self.grammar is not None:
+            masked = [i for i, row in enumerate(self.grammar.rows) if row in moved]
+            self.grammar = GrammarMask([moved[self.grammar.rows[i]] for i in masked],
+                                       self.grammar.bitmask[masked]) if masked else None
         return taken
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 
 from minigpt.engine.engine import Engine
 from minigpt.engine.seams import Step
@@ -28,11 +29,14 @@ class Grammars:
         return lambda: compiler.matcher(constraint, params.max_tokens)
 
 
+_grammar = attrgetter("grammar")  # a GrammarState (truthy) or None
+
+
 class GrammarMasker:
     """The tokens each structured-output sequence's grammar allows next, in the sampler's rows."""
 
     def acts_on(self, step: Step) -> bool:
-        return any(seq.grammar is not None for seq in step.seqs)
+        return any(map(_grammar, step.seqs))  # a C loop: every step of every engine asks
 
     def __call__(self, step: Step) -> None:
         if self.acts_on(step):
