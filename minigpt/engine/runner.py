@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
 from typing import Protocol
 
 import torch
@@ -26,7 +25,7 @@ MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask 
 
 def is_decode(seq: Sequence, chunk: int) -> bool:
     """The one token left after a computed context (a prompt's lone token is a prefill chunk)."""
-    return chunk == 1 and 0 < seq.num_computed_tokens == len(seq.token_ids) + len(seq.draft_token_ids) - 1
+    return chunk == 1 and seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
 
 
 def num_sample_rows(seq: Sequence) -> int:
@@ -134,12 +133,13 @@ class ModelRunner:
         rows' order (`DecodeRows`). Its host values go to the device in one copy. With `ahead`, every sequence
         decodes its token in `ahead`, one past its `token_ids`."""
         bs = self.config.block_size
-        if ahead is not None:
-            prefills, decodes = [], [seq for seq, _ in chunks]
-        else:
-            decoding = [is_decode(seq, chunk) for seq, chunk in chunks]
-            prefills = [pair for pair, decode in zip(chunks, decoding, strict=True) if not decode]
-            decodes = [seq for (seq, _), decode in zip(chunks, decoding, strict=True) if decode]
+        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[Sequence] = []
+        for seq, chunk in chunks:
+            if ahead is not None or is_decode(seq, chunk):
+                decodes.append(seq)
+            else:
+                prefills.append((seq, chunk))
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
         batched = len(fresh) > 1 and sum(fresh) <= MAX_BATCHED_PREFILL
         if batched:
@@ -171,15 +171,15 @@ class ModelRunner:
                 rows += (start + p - first for p in verified)
         num_prefill = len(ids)
         decodes, stale_rows, stale_tables = self.decode_rows.arrange(decodes)
-        tokens = list(map(attrgetter("token_ids"), decodes))
-        if ahead is None:
-            lens = list(map(len, tokens))
-            ids += map(itemgetter(-1), tokens)
-        else:  # ids: rows of ahead.tokens, replaced by their tokens on the device
-            lens = [len(t) + 1 for t in tokens]
-            ids += map(ahead.rows.__getitem__, decodes)
+        lens: list[int] = []
+        drawn = ahead is not None  # ids: rows of ahead.tokens then, replaced by their tokens on the device
+        for seq in decodes:
+            tokens = seq.token_ids
+            n = len(tokens) + drawn
+            ids.append(ahead.rows[seq] if drawn else tokens[-1])
+            lens.append(n)
+            slots.append(seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
         positions += (n - 1 for n in lens)
-        slots += [seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs for seq, n in zip(decodes, lens, strict=True)]
         if decodes:
             sample_seqs += decodes
             sample_rows += range(len(rows), len(rows) + len(decodes))

@@ -41,18 +41,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        has_room, chunks = self.blocks.has_room, batch.chunks
+        has_room = self.blocks.has_room
         for seq in list(self.running):
             if seq.status is not RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
-            first = seq.num_computed_tokens
-            uncomputed = len(seq.token_ids) + len(seq.draft_token_ids) - first  # seq.num_uncomputed_tokens
+            uncomputed = seq.num_uncomputed_tokens
             if not uncomputed:
                 continue  # a beam waiting for its siblings
             chunk = uncomputed if uncomputed <= budget else budget
+            first = seq.num_computed_tokens
             if not has_room(seq.block_table, first, first + chunk) and not self._make_room(seq, first + chunk, batch):
                 continue  # seq preempted itself
-            chunks.append((seq, chunk))
+            batch.chunks.append((seq, chunk))
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
