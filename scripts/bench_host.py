@@ -2,6 +2,7 @@
 
     python scripts/bench_host.py                          # batches 1, 64, 256
     python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
+    python scripts/bench_host.py --penalties              # greedy with repetition/presence/frequency penalties
 
 A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (random weights, written to a temporary folder) keeps
 the model's own time small; the time inside the runner's `run` is measured and taken out. The sampler's share of
@@ -36,6 +37,7 @@ from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 PROMPT_LEN = 8
 WARM_STEPS = 8
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)  # --penalties
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -64,10 +66,11 @@ class Clock:
         return seconds
 
 
-def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None) -> float:
+def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, penalties: bool = False) -> float:
     """Wall seconds of `steps` decode steps of `batch` sequences, after their prompts and a few steps more."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=WARM_STEPS + steps + 2, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=WARM_STEPS + steps + 2, ignore_eos=True, temperature=0.0,
+                            **(PENALTIES if penalties else {}))
     requests = [engine.make_request([(7 * i + j) % 1000 for j in range(PROMPT_LEN)], params) for i in range(batch)]
     for request in requests:
         engine.add(request)
@@ -85,9 +88,10 @@ def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None) ->
     return wall
 
 
-def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int) -> tuple[float, float, float]:
+def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int, penalties: bool
+            ) -> tuple[float, float, float]:
     """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
-    wall = timed_steps(llm, batch, steps, lambda: (model.take(), sampler.take()))
+    wall = timed_steps(llm, batch, steps, lambda: (model.take(), sampler.take()), penalties)
     in_model = model.take()
     return (wall - in_model) / steps, in_model / steps, sampler.take() / steps
 
@@ -144,7 +148,8 @@ def host_times(llm_args: dict, batches: list[int], args: argparse.Namespace) -> 
     model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
     results = {}
     for batch in batches:
-        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps) for _ in range(args.repeats)]
+        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps, args.penalties)
+                for _ in range(args.repeats)]
         host = sorted(h * 1e6 for h, _, _ in runs)
         model = statistics.median(m * 1e6 for _, m, _ in runs)
         sampler = statistics.median(s * 1e6 for _, _, s in runs)
@@ -163,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--penalties", action="store_true",
+                        help=f"greedy with penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())})")
     parser.add_argument("--device-us", type=float, default=None,
                         help="measure overlap with a device stand-in taking this long a step")
     args = parser.parse_args(argv)

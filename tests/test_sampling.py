@@ -194,7 +194,7 @@ def test_repetition_penalty_matches_transformers_over_prompt_and_output():
 
 def test_presence_and_frequency_penalties_follow_openai():
     logits = random_logits(2)
-    out_ids = [4, 4, 4, 9]
+    out_ids = [4, 4, 4, 9, V + 1]  # an id past the vocabulary (a padded embedding's) counts for nothing
     rows = [Row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), output_token_ids=out_ids),
             Row(SamplingParams(presence_penalty=-1.0), prompt_token_ids=[4, 9], output_token_ids=[])]
     ours = processed([], logits, rows)

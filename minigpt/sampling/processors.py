@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -50,29 +51,33 @@ def tensor_like(values: list, dtype: torch.dtype, like: Tensor) -> Tensor:
 
 
 def penalise(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Repetition penalty over prompt + output ids, then presence/frequency penalties over output ids."""
-    batch, vocab = x.shape
+    """Repetition penalty over prompt + output ids, then presence/frequency penalties over output ids: each at
+    the (row, id) pairs it touches, out of place (a dense [rows, vocab] count would be written every step)."""
+    vocab = x.shape[1]
     params = [row.params for row in rows]
+    x = x.clone()
     if any(p.repetition_penalty != 1 for p in params):
         seen = [row.prompt_token_ids + row.output_token_ids if row.params.repetition_penalty != 1 else []
                 for row in rows]
-        mask = _id_counts(seen, batch, vocab, x) > 0
-        penalty = tensor_like([p.repetition_penalty for p in params], torch.float32, x)[:, None]
-        x = torch.where(mask, torch.where(x < 0, x * penalty, x / penalty), x)
+        at = _pairs(seen, vocab, x)
+        penalty = tensor_like([p.repetition_penalty for p in params], torch.float32, x)[at[0]]
+        score = x[at]  # read before any write: an id seen twice gets the same value twice
+        x[at] = torch.where(score < 0, score * penalty, score / penalty)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
-        counts = _id_counts([row.output_token_ids for row in rows], batch, vocab, x)
-        presence = tensor_like([p.presence_penalty for p in params], torch.float32, x)[:, None]
-        frequency = tensor_like([p.frequency_penalty for p in params], torch.float32, x)[:, None]
-        x = x - (frequency * counts + presence * (counts > 0))
+        row_ids, id_ids = _pairs([row.output_token_ids for row in rows], vocab, x)
+        pairs, counts = torch.unique(row_ids * vocab + id_ids, return_counts=True)
+        at = (pairs // vocab, pairs % vocab)
+        presence = tensor_like([p.presence_penalty for p in params], torch.float32, x)[at[0]]
+        frequency = tensor_like([p.frequency_penalty for p in params], torch.float32, x)[at[0]]
+        x[at] = x[at] - (frequency * counts + presence)
     return x
 
 
-def _id_counts(ids: list[list[int]], batch: int, vocab: int, like: Tensor) -> Tensor:
+def _pairs(ids: list[list[int]], vocab: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(row, id) of every id below `vocab` in `ids` (ids past it are a padded embedding's: never sampled)."""
     rows, flat = _flat(ids, like)
-    flat.clamp_(max=vocab)
-    counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=like.device)
-    counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
-    return counts[:, :vocab]
+    kept = flat < vocab
+    return rows[kept], flat[kept]
 
 
 def suppress(x: Tensor, ids: list[list[int]]) -> Tensor:
@@ -80,8 +85,11 @@ def suppress(x: Tensor, ids: list[list[int]]) -> Tensor:
 
 
 def _flat(ids: list[list[int]], like: Tensor) -> tuple[Tensor, Tensor]:
-    rows = [i for i, row_ids in enumerate(ids) for _ in row_ids]
-    return tensor_like(rows, torch.int64, like), tensor_like([t for row_ids in ids for t in row_ids], torch.int64, like)
+    """The row index of every id in `ids` and the ids, flat: C loops (a row may hold thousands of ids)."""
+    lengths = list(map(len, ids))
+    counts = tensor_like(lengths, torch.int64, like)
+    rows = torch.repeat_interleave(torch.arange(len(ids), device=like.device), counts, output_size=sum(lengths))
+    return rows, tensor_like(list(chain.from_iterable(ids)), torch.int64, like)
 
 
 def warp(x: Tensor, params: list[SamplingParams]) -> Tensor:
