@@ -4,11 +4,12 @@
     python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
     python scripts/bench_host.py --penalties              # greedy with repetition/presence/frequency penalties
 
-A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (random weights, written to a temporary folder) keeps
-the model's own time small; the time inside the runner's `run` is measured and taken out. The sampler's share of
-the host time is printed beside it: on the CPU its tensor work (the argmax over the vocabulary) is there too. Each
-batch decodes `--steps` greedy steps after its prompts are in, `--repeats` times on fresh requests: the median is
-printed with the spread, and the CPU class. Before/after: run the same command with PYTHONPATH at another checkout.
+A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (`--vocab`; random weights, written to a temporary
+folder) keeps the model's own time small; the time inside the runner's `run` is measured and taken out. The
+sampler's share of the host time is printed beside it: on the CPU its tensor work (the argmax over the
+vocabulary) is there too. Each batch decodes `--steps` greedy steps after its prompts are in, `--repeats` times
+on fresh requests: the median is printed with the spread, and the CPU class. Before/after: run the same command
+with PYTHONPATH at another checkout.
 
 `--device-us D` measures overlap instead: a device stand-in whose step takes D microseconds (the host waits for
 it at the launch without overlap; with it, only when it reads the tokens, after laying out the next step), and
@@ -40,8 +41,8 @@ WARM_STEPS = 8
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)  # --penalties
 
 
-def tiny_checkpoint(folder: Path) -> Path:
-    config = preset_config("gpt2", n_layer=1, n_head=1, n_embd=64, vocab_size=1024)
+def tiny_checkpoint(folder: Path, vocab_size: int = 1024) -> Path:
+    config = preset_config("gpt2", n_layer=1, n_head=1, n_embd=64, vocab_size=vocab_size)
     return write_checkpoint(random_model(config), folder / "tiny", gpt2_vocab_files())
 
 
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--vocab", type=int, default=1024, help="the checkpoint's vocabulary (gpt2's: 50257)")
     parser.add_argument("--penalties", action="store_true",
                         help=f"greedy with penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())})")
     parser.add_argument("--device-us", type=float, default=None,
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
     with tempfile.TemporaryDirectory() as folder:
-        llm_args = dict(model=str(tiny_checkpoint(Path(folder))), max_num_seqs=max(batches), num_threads=args.threads,
+        llm_args = dict(model=str(tiny_checkpoint(Path(folder), args.vocab)), max_num_seqs=max(batches),
+                        num_threads=args.threads,
                         kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
         if args.device_us is not None:
             results = overlap_walls(llm_args, batches, args)
