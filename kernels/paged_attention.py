@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 64  # context tokens per loop step (any block_size works: pages are looked up per token)
+BLOCK_N = 64  # context tokens per loop step (any block_size works: blocks are looked up per token)
 SPLIT_TOKENS = 256  # a multiple of BLOCK_N; a shorter split costs more in merging than it wins
 MAX_SPLITS = 32
 
@@ -35,8 +35,8 @@ def _attend(
     for first in range(start, end, BLOCK_N):
         tok = first + tl.arange(0, BLOCK_N)
         valid = tok < end
-        page = tl.load(table_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = page * stride_kb + (tok % BLOCK_SIZE) * stride_kt  # (BLOCK_N,)
+        block = tl.load(table_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kb + (tok % BLOCK_SIZE) * stride_kt  # (BLOCK_N,)
         mask = valid[:, None] & mask_d[None, :]
         k = tl.load(k_head[None, :] + row[:, None], mask=mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1)

@@ -1,11 +1,11 @@
 // Decode attention over a paged KV pool on x86 CPUs with AVX2: one new token per sequence over its cached keys and
-// values in pages and its own, which it then stores in its slot. The layer's whole pool is the op's one mutated
+// values in blocks and its own, which it then stores in its slot. The layer's whole pool is the op's one mutated
 // input, which a compiled program writes in place (an eager store after each program was one more op a layer); not
 // its keys and values as two views, which torch 2.13's AOTInductor passed both at the input's offset 0. Built by
 // minigpt/compile/native.py; minigpt/compile/pool_attention.py calls it; its torch reference is `PoolAttention`
 // (minigpt/model/attention.py) and an `index_copy_` of the new K/V.
 //
-// A task is 32 tokens of a sequence (a split), its pages read in order, each slot's heads side by side: per head the
+// A task is 32 tokens of a sequence (a split), its blocks read in order, each slot's heads side by side: per head the
 // scores' max, their exps' sum and the values they weight, in slot order; then each (sequence, head) merges its
 // own token and its splits in order, fp32 throughout. The splits follow positions, not the batch or the threads,
 // so a sequence's result is the same bits alone, in any batch, on any number of threads.
@@ -52,15 +52,15 @@ inline float dot(const float* q, const T* k, int64_t dim) {
   return lanes_sum(acc);
 }
 
-// One split of sequence b, tokens [start, end) of its pages: per head the scores' max, the sum of their exps and
+// One split of sequence b, tokens [start, end) of its blocks: per head the scores' max, the sum of their exps and
 // the values weighted by those exps; scores: [H, kSplit] of scratch.
 template <typename T>
 void attend_split(const float* query, const T* key_data, const T* value_data, const int32_t* table, int64_t start,
                   int64_t end, int64_t heads, int64_t dim, int64_t block_size, float* scores, float* top_out,
                   float* sum_out, float* acc) {
-  const int64_t slot_stride = heads * dim, page_stride = block_size * slot_stride, count = end - start;
-  for (int64_t t = start; t < end; ++t) {  // a slot's heads side by side: the pages are read in order
-    const T* slot = key_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
+  const int64_t slot_stride = heads * dim, block_stride = block_size * slot_stride, count = end - start;
+  for (int64_t t = start; t < end; ++t) {  // a slot's heads side by side: the blocks are read in order
+    const T* slot = key_data + table[t / block_size] * block_stride + (t % block_size) * slot_stride;
     for (int64_t h = 0; h < heads; ++h) scores[h * kSplit + t - start] = dot(query + h * dim, slot + h * dim, dim);
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -79,7 +79,7 @@ void attend_split(const float* query, const T* key_data, const T* value_data, co
   }
   std::fill(acc, acc + heads * dim, 0.0f);
   for (int64_t t = start; t < end; ++t) {
-    const T* slot = value_data + table[t / block_size] * page_stride + (t % block_size) * slot_stride;
+    const T* slot = value_data + table[t / block_size] * block_stride + (t % block_size) * slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const __m256 weight = _mm256_set1_ps(scores[h * kSplit + t - start]);
       for (int64_t d = 0; d < dim; d += kLanes) {
@@ -90,7 +90,7 @@ void attend_split(const float* query, const T* key_data, const T* value_data, co
   }
 }
 
-// each sequence's own k and v [B, H, D] into its slot, position cached[b] of its pages (after `attend`, which
+// each sequence's own k and v [B, H, D] into its slot, position cached[b] of its blocks (after `attend`, which
 // reads none past cached[b]), converted as `Tensor.to` would (vectorized: a scalar half is a software conversion);
 // they are already values of the pool's dtype
 template <typename T>
@@ -164,8 +164,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 }
 
 // q, k, v [B, H, D] fp32 (q scaled; k, v values of the pool's dtype); pool one layer's keys and values
-// [2, P, block_size, H, D]; tables [B, W] int32; cached [B] int32: the tokens in the pages before each sequence's new
-// one -> [B, H, D] fp32, and k, v stored at position cached[b] of each sequence's pages
+// [2, P, block_size, H, D]; tables [B, W] int32; cached [B] int32: the tokens in the blocks before each sequence's new
+// one -> [B, H, D] fp32, and k, v stored at position cached[b] of each sequence's blocks
 at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& pool,
                                  const at::Tensor& tables, const at::Tensor& cached) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) % kLanes == 0,
@@ -174,21 +174,23 @@ at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const
                   v.scalar_type() == at::kFloat, "pool_decode_attention: k and v must be float32 like q");
   TORCH_CHECK(pool.dim() == 5 && pool.size(0) == 2 && pool.size(3) == q.size(1) && pool.size(4) == q.size(2) &&
                   pool.is_contiguous(),
-              "pool_decode_attention: pool must be one layer's contiguous keys and values [2, pages, block_size, H, D]");
+              "pool_decode_attention: pool must be one layer's contiguous keys and values "
+              "[2, blocks, block_size, H, D]");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kInt &&
                   cached.dim() == 1 && cached.size(0) == q.size(0) && cached.scalar_type() == at::kInt,
               "pool_decode_attention: tables must be [B, W] int32 and cached [B] int32");
   const at::Tensor q_c = q.contiguous(), k_c = k.contiguous(), v_c = v.contiguous();
   const at::Tensor tables_c = tables.contiguous(), cached_c = cached.contiguous();
   at::Tensor keys = pool.select(0, 0), values = pool.select(0, 1);
-  const int64_t pages = pool.size(1), block_size = pool.size(2), width = tables.size(1);
-  for (int64_t b = 0; b < q.size(0); ++b) {  // every page read or written lies in the pool
+  const int64_t num_blocks = pool.size(1), block_size = pool.size(2), width = tables.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {  // every block read or written lies in the pool
     const int64_t length = cached_c.const_data_ptr<int32_t>()[b];
     TORCH_CHECK(length >= 0 && length < width * block_size, "pool_decode_attention: sequence ", b, " caches ",
                 length, " tokens, its table holds ", width * block_size, " with its new one");
     for (int64_t i = 0; i <= length / block_size; ++i) {
-      const int32_t page = tables_c.const_data_ptr<int32_t>()[b * width + i];
-      TORCH_CHECK(page >= 0 && page < pages, "pool_decode_attention: page ", page, " is not in the pool of ", pages);
+      const int32_t block = tables_c.const_data_ptr<int32_t>()[b * width + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "pool_decode_attention: block ", block, " is not in the pool of ",
+                  num_blocks);
     }
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -205,7 +207,7 @@ at::Tensor pool_decode_attention(const at::Tensor& q, const at::Tensor& k, const
       attend<c10::BFloat16>(q_c, k_c, v_c, keys, values, tables_c, cached_c, out);
       store<c10::BFloat16>(k_c, v_c, keys, values, tables_c, cached_c);
       break;
-    default: TORCH_CHECK(false, "pool_decode_attention: pages must be float32, float16 or bfloat16");
+    default: TORCH_CHECK(false, "pool_decode_attention: the pool must be float32, float16 or bfloat16");
   }
   return out;
 }

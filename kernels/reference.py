@@ -19,22 +19,22 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 def gather_kv(cache: Tensor, block_tables: Tensor, out: Tensor | None = None) -> Tensor:
     """block_tables: [B, max_blocks] -> [B, H, max_blocks * block_size, D], a transposed view of contiguous
-    pages (index_select beats advanced indexing on the CPU), in the flat buffer `out` when given."""
+    blocks (index_select beats advanced indexing on the CPU), in the flat buffer `out` when given."""
     batch, width = block_tables.shape
     index = block_tables.flatten().long()
     if out is None:
-        pages = cache.index_select(0, index)  # (B * max_blocks, block_size, H, D)
+        blocks = cache.index_select(0, index)  # (B * max_blocks, block_size, H, D)
     else:
-        pages = out[: index.numel() * cache[0].numel()].view(index.numel(), *cache.shape[1:])
-        torch.index_select(cache, 0, index, out=pages)
-    return pages.view(batch, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+        blocks = out[: index.numel() * cache[0].numel()].view(index.numel(), *cache.shape[1:])
+        torch.index_select(cache, 0, index, out=blocks)
+    return blocks.view(batch, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
-def _converted(pages: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+def _converted(gathered: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
     if out is None:
-        return pages.to(dtype)
-    contiguous = pages.transpose(1, 2)
-    return out[: pages.numel()].view(contiguous.shape).copy_(contiguous).transpose(1, 2)
+        return gathered.to(dtype)
+    contiguous = gathered.transpose(1, 2)
+    return out[: gathered.numel()].view(contiguous.shape).copy_(contiguous).transpose(1, 2)
 
 
 def paged_decode_attention(
@@ -47,11 +47,11 @@ def paged_decode_attention(
     workspace: Tensor | None = None,
     converted: Tensor | None = None,
 ) -> Tensor:
-    """query [B, H, D] attends to the first context_lens[b] tokens of its pages -> [B, H, D] (zeros for 0).
+    """query [B, H, D] attends to the first context_lens[b] tokens of its blocks -> [B, H, D] (zeros for 0).
 
     block_tables: [B, max_blocks] int32; context_lens: [B] int32. workspace / converted: flat buffers for
-    2 * B * max_blocks pages, of the caches' / the query's dtype. Half pages go to SDPA as they are (it
-    computes in fp32); pages of another dtype than the query are converted once gathered.
+    2 * B * max_blocks blocks, of the caches' / the query's dtype. Half blocks go to SDPA as they are (it
+    computes in fp32); blocks of another dtype than the query are converted once gathered.
     """
     keys_out, values_out = (None, None) if workspace is None else workspace.chunk(2)
     keys = gather_kv(k_cache, block_tables, keys_out)  # (B, H, L, D)

@@ -9,7 +9,7 @@ interface). Needs the `server` extra.
 With --replicas N (the `ray` extra) it runs N engine replicas as a Ray Serve application: docs/ray.md.
 
 On SIGTERM (or Ctrl-C) it stops accepting connections, lets the requests in flight finish for up to
---shutdown-timeout seconds, cancels those still running (their KV pages freed) and exits 0.
+--shutdown-timeout seconds, cancels those still running (their KV blocks freed) and exits 0.
 """
 
 from __future__ import annotations

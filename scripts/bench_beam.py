@@ -1,4 +1,4 @@
-"""Beam search side by side: minigpt (all prompts' beams continuously batched, pages shared) against
+"""Beam search side by side: minigpt (all prompts' beams continuously batched, blocks shared) against
 transformers' beam search one prompt at a time and batched (left-padded), in one run.
 
     python scripts/make_checkpoint.py checkpoints/gpt2-2l --preset gpt2 --n-layer 2
@@ -6,8 +6,8 @@ transformers' beam search one prompt at a time and batched (left-padded), in one
 
 Every engine gets the same prompt token ids (5-40 tokens) and the same beam search (fp32,
 length_penalty 1, early_stopping False, EOS as the checkpoint has it). Seconds are medians over
---repeats runs; hypotheses are compared with transformers one prompt at a time. Pages: the most
-KV pages each request held at once (its beams share their prompt and common prefixes), against
+--repeats runs; hypotheses are compared with transformers one prompt at a time. Blocks: the most
+KV blocks each request held at once (its beams share their prompt and common prefixes), against
 what beam_width separate sequences of the longest hypothesis would hold.
 """
 
@@ -82,14 +82,14 @@ def main() -> None:
 
         def watch(batch, sampled) -> None:
             for request_id, group in llm.engine.beam_groups.items():
-                pages = len({block for seq in group.seqs for block in seq.block_table})
-                peak[request_id] = max(peak.get(request_id, 0), pages)
+                held = len({block for seq in group.seqs for block in seq.block_table})
+                peak[request_id] = max(peak.get(request_id, 0), held)
 
         llm.engine.on_step = watch
         mine_s, outs = timed(lambda: llm.beam_search(prompts, params), args.repeats)
         llm.engine.on_step = None
         log(f"minigpt: {mine_s:.2f} s")
-        pool_pages = llm.kv_cache_info["num_blocks"]
+        pool_blocks = llm.kv_cache_info["num_blocks"]
     mine = [[s.token_ids for s in out.sequences] for out in outs]
     held = list(peak.values())[-args.prompts:]
     separate = [args.beam_width * -(-(len(p) + max(map(len, m))) // args.block_size) for p, m in zip(prompts, mine,
@@ -112,9 +112,9 @@ def main() -> None:
         print(f"| {name} | {seconds:.2f} | {args.prompts / seconds:.2f} | {seconds / mine_s:.2f}x |")
     print(f"\nhypotheses equal to transformers': all {args.beam_width} in order for {same}/{args.prompts} prompts, "
           f"the best for {best}/{args.prompts}")
-    print(f"KV pages ({args.block_size} tokens) held per request at most: mean {statistics.mean(held):.1f}, "
+    print(f"KV blocks ({args.block_size} tokens) held per request at most: mean {statistics.mean(held):.1f}, "
           f"max {max(held)}; {args.beam_width} separate sequences: mean {statistics.mean(separate):.1f}, "
-          f"max {max(separate)} (pool: {pool_pages} pages)")
+          f"max {max(separate)} (pool: {pool_blocks} blocks)")
 
 
 if __name__ == "__main__":

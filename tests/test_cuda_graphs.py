@@ -42,7 +42,7 @@ def test_capture_sizes_are_a_ladder_up_to_the_largest_batch():
 
 
 def test_a_batch_replays_the_smallest_size_that_holds_it():
-    graphs = DecodeGraphs(None, capture_sizes(40), max_pages=4, scratch_block=3, block_size=8,
+    graphs = DecodeGraphs(None, capture_sizes(40), max_blocks=4, scratch_block=3, block_size=8,
                           device=torch.device("cpu"))
     assert [graphs.bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 33, 40)] == [1, 2, 4, 8, 8, 16, 16, 32, 40, 40]
     # static buffers of the largest size; the page tables as wide as the model's context

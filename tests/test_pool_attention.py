@@ -121,7 +121,7 @@ def test_the_kernel_refuses_what_it_cannot_read():
         pool_attention.decode(q, k, v, layer.double(), tables, cached)
     with pytest.raises(RuntimeError, match="k and v must be float32"):
         pool_attention.decode(q, k.half(), v, layer, tables, cached)
-    with pytest.raises(RuntimeError, match="page 64 is not in the pool of 64"):
+    with pytest.raises(RuntimeError, match="block 64 is not in the pool of 64"):
         pool_attention.decode(q, k, v, layer, torch.tensor([[1, 2], [3, 64]], dtype=torch.int32), cached)
     with pytest.raises(RuntimeError, match="caches 8 tokens, its table holds 8 with its new one"):
         pool_attention.decode(q, k, v, layer, tables, torch.tensor([5, 8], dtype=torch.int32))

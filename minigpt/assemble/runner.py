@@ -31,8 +31,8 @@ def build_runner(path: Path, config: EngineConfig) -> ModelRunner:
 
         runner.forward_path = CompiledSteps(runner.model, runner.pool, ProgramCache(config.compile_cache_dir))
     elif graphs:
-        pages = -(-runner.model.config.n_positions // config.block_size)
-        runner.forward_path = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), pages,
+        max_blocks = -(-runner.model.config.n_positions // config.block_size)
+        runner.forward_path = DecodeGraphs(runner.forward, capture_sizes(config.max_num_seqs), max_blocks,
                                       runner.pool.num_blocks, config.block_size, runner.device)
         runner.forward_path.capture_all()
     return runner

@@ -1,7 +1,7 @@
 """A beam-search request: live beams run as ordinary decodes, and the hypotheses they finish.
 
 Each step picks the next beams as transformers' `_beam_search` does (same candidates, same tensor ops,
-so the same ties). A beam picked twice is forked, its pages shared and copied on write.
+so the same ties). A beam picked twice is forked, its blocks shared and copied on write.
 """
 
 from __future__ import annotations

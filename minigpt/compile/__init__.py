@@ -6,7 +6,7 @@
     worker.py        `python -m minigpt.compile.worker`: one step built in a process of its own
     trust.py         what lets the cache load an entry: owned folders and signed manifests
     native.py        the C++ kernels of kernels/ built into signed libraries of torch ops in the cache
-    attention.py     the programs' attention: decode rows over their pages, prompt rows in pieces
+    attention.py     the programs' attention: decode rows over their blocks, prompt rows in pieces
     pool_attention.py  the decode programs' attention through the C++ kernel of kernels/, where it runs
     torch_compat.py  the torch internals compiling relies on, in one place
 """

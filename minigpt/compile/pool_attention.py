@@ -1,5 +1,5 @@
 """The compiled decode's attention on x86 CPUs with AVX2: the kernel of kernels/pool_attention_avx2.cpp, which reads a
-sequence's pages in order, a slot's heads side by side, in splits of 32 tokens, where inductor's code of `attend`
+sequence's blocks in order, a slot's heads side by side, in splits of 32 tokens, where inductor's code of `attend`
 walks them head by head (scripts/PERFORMANCE.md, "Decode attention"). The splits follow positions and merge in order
 in fp32 whatever the batch, so a sequence's bits are the same alone and in any batch, as with `attend`; the two
 differ in rounding.
@@ -26,7 +26,7 @@ POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def usable(pool: torch.Tensor) -> bool:
-    """The kernel serves this KV pool ([layers, 2, pages, block_size, H, D]): a CPU one of a dtype it reads, heads
+    """The kernel serves this KV pool ([layers, 2, blocks, block_size, H, D]): a CPU one of a dtype it reads, heads
     of a multiple of 8, a CPU with AVX2, FMA and F16C, the switch not off, and the library built and loaded."""
     return (
         pool.device.type == "cpu"
@@ -53,8 +53,8 @@ def decode(
     cached: torch.Tensor,
 ) -> torch.Tensor:
     """Scaled queries q [B, H, D] and their own k, v (fp32, values of the pool's dtype) over `cached` [B] tokens in
-    the pages `tables` [B, W] (int32) of one layer's keys and values `pool` [2, pages, block_size, H, D] -> [B, H, D]
-    fp32; k and v are then stored in the pool at position `cached` of each sequence's pages."""
+    the blocks `tables` [B, W] (int32) of one layer's keys and values `pool` [2, blocks, block_size, H, D] -> [B, H, D]
+    fp32; k and v are then stored in the pool at position `cached` of each sequence's blocks."""
     if not loaded():  # loaded where `usable` was asked; a compile worker loads it here
         raise RuntimeError("the C++ decode attention could not be loaded in this process")
     return torch.ops.minigpt_cpu.pool_decode_attention(q, k, v, pool, tables, cached)
@@ -65,7 +65,7 @@ def _decode_shape(q, k, v, pool, tables, cached) -> torch.Tensor:
 
 
 class NativePoolAttention(PoolAttention):
-    """`PoolAttention` with its pages attended through the kernel, which also stores the new K/V."""
+    """`PoolAttention` with its blocks attended through the kernel, which also stores the new K/V."""
 
     stores_kv = True
 
@@ -75,5 +75,5 @@ class NativePoolAttention(PoolAttention):
         self.kv_pool, self.scales = kv_pool, scales  # the kernel's own inputs instead of PoolAttention's
         self.tables, self.cached = block_tables.int(), (context_lens - 1).int()
 
-    def over_pages(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def over_blocks(self, pool: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return decode(q, k, v, pool, self.tables, self.cached)

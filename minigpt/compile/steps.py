@@ -29,7 +29,7 @@ from minigpt.model.gpt2 import GPT2, Block, final_logits
 logger = logging.getLogger("minigpt")
 
 # example sizes to export with: all dynamic, so only their being distinct and not 0 or 1 (specialized) matters
-EXAMPLE_BATCH, EXAMPLE_PAGES, EXAMPLE_TOKENS, EXAMPLE_BLOCKS = 5, 7, 11, 3
+EXAMPLE_BATCH, EXAMPLE_WIDTH, EXAMPLE_TOKENS, EXAMPLE_BLOCKS = 5, 7, 11, 3  # EXAMPLE_WIDTH: a table's blocks
 
 
 def decode_layer(
@@ -79,7 +79,7 @@ class PoolDecode:
         pool = self.pools[layer]
         x, new_kv = self.layer(block, x, pool, self.block_tables, self.context_lens, self.scales[layer])
         if new_kv is not None:
-            pool.flatten(1, 2).index_copy_(1, self.slot_mapping, new_kv)  # pages as token slots
+            pool.flatten(1, 2).index_copy_(1, self.slot_mapping, new_kv)  # blocks as token slots
         return x
 
     def head(self, model: GPT2, x: torch.Tensor) -> torch.Tensor:
@@ -290,20 +290,21 @@ class CompiledSteps:
             "modules": sorted({type(module).__qualname__ for module in model.modules()}),
             # the programs' inputs: a linear's packing for a kernel of our own among them, or not
             "tensors": [name for module in (model.h[0], self._head) for name, _ in named_tensors(module)],
-            "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of pages
+            "pool": [str(kv.dtype), *kv.shape[:2], *kv.shape[3:]],  # all but the number of blocks
             "decode_layer": self.decode_layer.__name__,  # with the C++ attention or inductor's
         }
 
     def _specs(self) -> list[ProgramSpec]:
         model, kv = self.model, self.pool.kv
         device, config = kv.device, model.config
-        batch, pages, tokens = Dim("batch", min=1), Dim("pages", min=1), Dim("tokens", min=1)
-        blocks = Dim("blocks", min=1)
-        tables = torch.zeros(EXAMPLE_BATCH, EXAMPLE_PAGES, dtype=torch.int32, device=device)
+        batch, tokens = Dim("batch", min=1), Dim("tokens", min=1)
+        width = Dim("pages", min=1)  # a block table's width (the Dim keeps its name: the programs' signatures)
+        blocks = Dim("blocks", min=1)  # the pool's
+        tables = torch.zeros(EXAMPLE_BATCH, EXAMPLE_WIDTH, dtype=torch.int32, device=device)
         lens = torch.full((EXAMPLE_BATCH,), 2, dtype=torch.int32, device=device)
         x = torch.zeros(EXAMPLE_TOKENS, config.n_embd, device=device)
         block = model.h[0]
-        pool = kv.new_zeros(kv.shape[1], EXAMPLE_BLOCKS, *kv.shape[3:])  # one layer's, of any number of pages
+        pool = kv.new_zeros(kv.shape[1], EXAMPLE_BLOCKS, *kv.shape[3:])  # one layer's, of any number of blocks
         y = torch.zeros_like(x, dtype=model.dtype)
         block_tensors = tensors_of(block)
         weights = (None,) * len(block_tensors)
@@ -311,10 +312,10 @@ class CompiledSteps:
         return [
             ProgramSpec("layer", TensorsAsInputs(self.decode_layer, block),
                         (block_tensors, x[:EXAMPLE_BATCH], pool, tables, lens, self.scales[0]),
-                        (weights, ({0: batch}, {1: blocks}, {0: batch, 1: pages}, {0: batch}, None))),
+                        (weights, ({0: batch}, {1: blocks}, {0: batch, 1: width}, {0: batch}, None))),
             ProgramSpec("layer_alone", TensorsAsInputs(self.decode_layer, block),
                         (block_tensors, x[:1], pool, tables[:1], lens[:1], self.scales[0]),
-                        (weights, (None, {1: blocks}, {1: pages}, None, None))),
+                        (weights, (None, {1: blocks}, {1: width}, None, None))),
             ProgramSpec("head", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:EXAMPLE_BATCH]),
                         ((None,) * len(head_tensors), ({0: batch},))),
             ProgramSpec("head_alone", TensorsAsInputs(final_logits, self._head), (head_tensors, x[:1]),

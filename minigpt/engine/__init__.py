@@ -6,7 +6,7 @@
     config.py            EngineConfig: every setting, its default and its help (CLI flags come from it)
     speculative_config.py  the speculative_config dict, checked
     scheduler.py         continuous batching: which sequences run next and how many tokens each
-    sequence.py          one sequence in flight: tokens, pages, why it stopped; its statistics
+    sequence.py          one sequence in flight: tokens, blocks, why it stopped; its statistics
     sequence_text.py     its text: detokenized as read, cut at a stop string, streamed in deltas
     request.py           the interface of every request kind, the sampled request, its outputs
     kv_cache.py          the paged KV pool and the block manager (prefix cache)

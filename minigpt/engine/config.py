@@ -35,7 +35,7 @@ class BatchInvariance:
 class EngineConfig:
     dtype: str = _setting("float32", "float32 | float16 | bfloat16: weights, activations and (by default) the KV pool")
     device: str = _setting("cpu", "cpu | cuda")
-    block_size: int = _setting(16, "tokens per KV page")
+    block_size: int = _setting(16, "tokens per KV block")
     kv_cache_tokens: int | None = _setting(None, "KV pool size in tokens (default: what kv_cache_memory bytes hold)")
     kv_cache_memory: int = _setting(1024**3, "KV pool size in bytes when kv_cache_tokens is None", flag=None)
     kv_cache_dtype: str | None = _setting(
@@ -43,7 +43,7 @@ class EngineConfig:
     )
     max_num_seqs: int = _setting(128, "sequences decoded together in one step")
     max_num_batched_tokens: int = _setting(2048, "tokens computed in one step; longer prompts are prefilled in chunks")
-    enable_prefix_caching: bool = _setting(True, "reuse the pages of a common prompt prefix", flag=None)
+    enable_prefix_caching: bool = _setting(True, "reuse the blocks of a common prompt prefix", flag=None)
     attention_backend: str = _setting("auto", "auto | torch | triton: auto takes Triton on CUDA when it imports")
     quantize: str | None = _setting(
         None, "int8: weight-only int8 linears; w8a8: int8 weights and per-token int8 activations", choices=QUANTIZATIONS

@@ -1,5 +1,5 @@
 """CUDA graphs of the decode step, captured at start for a ladder of batch sizes. B sequences replay the smallest
-size b >= B from static buffers; rows B..b-1 write and read a scratch page no sequence owns. Page tables span the
+size b >= B from static buffers; rows B..b-1 write and read a scratch block no sequence owns. Block tables span the
 model's context, so one graph serves every length. The graphs replay the runner's own eager forward."""
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool: object) -> Callable
 
 
 class DecodeGraphs:
-    """A forward path for batches of up to `max(sizes)` sequences; max_pages: the page tables' width."""
+    """A forward path for batches of up to `max(sizes)` sequences; max_blocks: the block tables' width."""
 
     generated_apart = False
 
-    def __init__(self, forward: Forward, sizes: list[int], max_pages: int, scratch_block: int, block_size: int,
+    def __init__(self, forward: Forward, sizes: list[int], max_blocks: int, scratch_block: int, block_size: int,
                  device: torch.device, capture: Capture = cuda_graph_capture) -> None:
         self.forward, self.sizes, self.capture = forward, sizes, capture
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
@@ -51,7 +51,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device)
-        self.tables = torch.full((rows, max_pages), scratch_block, dtype=torch.int32, device=device)
+        self.tables = torch.full((rows, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
 

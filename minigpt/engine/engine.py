@@ -58,7 +58,7 @@ class Engine:
             self.scheduler.add(seq)
 
     def abort(self, request: EngineRequest, error: str | None = None) -> None:
-        """Stop a request now and return its pages; with `error`, it fails with that message."""
+        """Stop a request now and return its blocks; with `error`, it fails with that message."""
         self.requests.pop(request.request_id, None)
         for seq in request.seqs:
             if not seq.finished and error is None:

@@ -33,7 +33,7 @@ class KVPool:
         """`spare_blocks` are given to no sequence (a CUDA graph's padding rows write into one)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.n_layer, 2, num_blocks + spare_blocks, block_size, config.n_head, config.head_dim)
-        # zeroed: attention reads whole pages under a mask, and NaN * 0 = NaN
+        # zeroed: attention reads whole blocks under a mask, and NaN * 0 = NaN
         try:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
@@ -128,7 +128,7 @@ class BlockManager:
         return list(block_table)
 
     def has_room(self, block_table: list[int], position: int, num_tokens: int) -> bool:
-        """True when the table's own pages already hold positions `position`..`num_tokens` - 1."""
+        """True when the table's own blocks already hold positions `position`..`num_tokens` - 1."""
         if num_tokens > len(block_table) * self.block_size:
             return False
         return self.ref_counts[block_table[position // self.block_size]] <= 1  # not shared (position < num_tokens)

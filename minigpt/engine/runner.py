@@ -56,8 +56,8 @@ class StepInputs:
 
 class ForwardPath(Protocol):
     """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start.
-    `generated_apart`: its steps attend generated rows by another kernel than prompt rows, so a page of
-    generated tokens is not interchangeable with the same tokens' page as a prompt (the prefix cache keeps them
+    `generated_apart`: its steps attend generated rows by another kernel than prompt rows, so a block of
+    generated tokens is not interchangeable with the same tokens' block as a prompt (the prefix cache keeps them
     apart)."""
 
     generated_apart: bool
@@ -110,7 +110,7 @@ class ModelRunner:
         if config.kv_cache_tokens:
             num_tokens = config.kv_cache_tokens
             num_blocks = num_tokens // bs
-        else:  # from the memory budget, capped at max_num_seqs full contexts of whole pages each
+        else:  # from the memory budget, capped at max_num_seqs full contexts of whole blocks each
             num_tokens = config.kv_cache_memory // bytes_per_token(self.cache_config, kv_dtype)
             num_blocks = min(num_tokens // bs, config.max_num_seqs * -(-self.model.config.n_positions // bs))
         if num_blocks < 1:
@@ -147,7 +147,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        segments: list[tuple[int, int, int, list[int], int]] = []  # PrefillSegment's fields, pages as a list
+        segments: list[tuple[int, int, int, list[int], int]] = []  # PrefillSegment's fields, block_table as a list
         rows: list[int] = []
         sample_seqs, sample_rows, prompt_rows = [], [], []
         for seq, chunk in prefills:
@@ -184,14 +184,14 @@ class ModelRunner:
             sample_seqs += decodes
             sample_rows += range(len(rows), len(rows) + len(decodes))
             rows += range(num_prefill, num_prefill + len(decodes))
-        page_lists = [seg[3] for seg in segments]
-        # one copy: ids, positions, slots, decode lengths, logits rows, the decode rows whose pages changed and
-        # their tables, then the prompts' pages
+        prompt_tables = [seg[3] for seg in segments]
+        # one copy: ids, positions, slots, decode lengths, logits rows, the decode rows whose blocks changed and
+        # their tables, then the prompts' block tables
         flat = to_device([*ids, *positions, *slots, *lens, *rows, *stale_rows, *stale_tables,
-                          *(b for pages in page_lists for b in pages)], torch.int64, self.device)
+                          *(b for table in prompt_tables for b in table)], torch.int64, self.device)
         sizes = [len(ids), len(ids), len(ids), len(lens), len(rows), len(stale_rows), len(stale_tables),
-                 *map(len, page_lists)]
-        ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *pages_t = flat.split(sizes)
+                 *map(len, prompt_tables)]
+        ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *tables_t = flat.split(sizes)
         if ahead is not None:
             ids_t = ahead.tokens[ids_t]
         tables = decode_lens = None
@@ -200,8 +200,8 @@ class ModelRunner:
                 self.decode_rows.write(stale_rows_t, stale_tables_t)
             tables = self.decode_rows.block_tables(len(decodes))
             decode_lens = lens_t.to(torch.int32)
-        prefill_segments = [PrefillSegment(start, chunk, end, pages, in_prompt)
-                             for (start, chunk, end, _, in_prompt), pages in zip(segments, pages_t, strict=True)]
+        prefill_segments = [PrefillSegment(start, chunk, end, table, in_prompt)
+                             for (start, chunk, end, _, in_prompt), table in zip(segments, tables_t, strict=True)]
         num_fresh = len(fresh) if batched else 0
         meta = StepMetadata(slots_t, prefill_segments, num_prefill, tables, decode_lens, num_fresh)
         return StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows,

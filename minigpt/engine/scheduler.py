@@ -56,7 +56,7 @@ class Scheduler:
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
-        if not batch.chunks and self.waiting:  # waiting beams' siblings hold the pages they need
+        if not batch.chunks and self.waiting:  # waiting beams' siblings hold the blocks they need
             idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
             while not batch.chunks and self.waiting and idle:
                 self._preempt(idle.pop(), batch, front=False)
@@ -65,7 +65,7 @@ class Scheduler:
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """The step `schedule` will give once `seqs`' tokens of the step now running are appended, given now
-        (each decodes the token it is drawing): when they are all that runs, none waits, and each has its page
+        (each decodes the token it is drawing): when they are all that runs, none waits, and each has its block
         for that token or one is free. None: that step needs the tokens read first."""
         if self.waiting or len(seqs) != len(self.running) or len(seqs) > self.max_num_batched_tokens:
             return None
@@ -86,7 +86,7 @@ class Scheduler:
         return ScheduledBatch([(seq, 1) for seq in self.running])
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Give seq pages of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
+        """Give seq blocks of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
         blocks are short."""
         first = seq.num_computed_tokens
         while not self.blocks.can_allocate(
@@ -108,7 +108,7 @@ class Scheduler:
             seq = self.waiting[0]
             use_cache = seq.params.prompt_logprobs is None  # scoring needs every prompt position computed
             if seq.request_id in admitted_requests and use_cache and self._shareable(seq):
-                break  # a sibling completion (n > 1) waits one step, then reuses the prompt's pages
+                break  # a sibling completion (n > 1) waits one step, then reuses the prompt's blocks
             cached = self.blocks.match_prefix(seq.token_ids, len(seq.prompt_token_ids)) if use_cache else []
             num_cached = len(cached) * self.blocks.block_size
             chunk = min(len(seq.token_ids) - num_cached, budget)

@@ -1,4 +1,4 @@
-"""One completion in flight: its tokens, its pages (`num_computed_tokens` of them in the pool) and why it
+"""One completion in flight: its tokens, its blocks (`num_computed_tokens` of them in the pool) and why it
 stopped. Its text (minigpt/engine/sequence_text.py) and its statistics live beside it; the text is decoded as it
 is read, off the step's path, except where stop strings need it at every token."""
 
@@ -56,7 +56,7 @@ class SequenceStats:
 
 
 class Sequence:
-    """Tokens, pages and status of one completion; `text_state` its text, `stats` its statistics."""
+    """Tokens, blocks and status of one completion; `text_state` its text, `stats` its statistics."""
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.token_ids = list(prompt_token_ids)  # prompt + output: what the pages hold
+        self.token_ids = list(prompt_token_ids)  # prompt + output: what the blocks hold
         self.params, self.seed = params, seed
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -169,7 +169,7 @@ class Sequence:
         self._finish("abort", flush=False)
 
     def fork(self, block_table: list[int]) -> Sequence:
-        """A copy that goes on on its own, `block_table` sharing its pages by reference."""
+        """A copy that goes on on its own, `block_table` sharing its blocks by reference."""
         child = copy.copy(self)
         child.output_token_ids, child.token_ids = list(self.output_token_ids), list(self.token_ids)
         child.block_table = block_table
@@ -179,7 +179,7 @@ class Sequence:
         return child
 
     def preempt(self) -> None:
-        """Its pages taken back: recompute later."""
+        """Its blocks taken back: recompute later."""
         self.num_computed_tokens = self.num_hashed_blocks = self.last_block_hash = 0
         self.draft_token_ids = []
         self.status = Status.WAITING

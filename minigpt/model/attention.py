@@ -114,7 +114,7 @@ class PagedAttention(Attention):
 
 
 class InvariantAttention(PagedAttention):
-    """`batch_invariant=True`: every query through `invariant_attention` over its pages."""
+    """`batch_invariant=True`: every query through `invariant_attention` over its blocks."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, scale = self.meta, self.scales[layer]
@@ -141,7 +141,7 @@ def prefill_attention(
     scale: float,
     upcast: bool = False,
 ) -> torch.Tensor:
-    """One prompt chunk, q/k/v [T, H, D] -> [T, H, D]; a cached prefix's keys from the pages, masked by position."""
+    """One prompt chunk, q/k/v [T, H, D] -> [T, H, D]; a cached prefix's keys from the blocks, masked by position."""
     length, context_len = segment.length, segment.context_len
     mask = None
     if context_len != length:
@@ -201,19 +201,19 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 def invariant_keys(cache: torch.Tensor, tables: torch.Tensor, ones: bool = False) -> torch.Tensor:
     """One layer's keys or values at `tables` [B, W] as `invariant_attention` takes them (`ones`: values)."""
-    pages = cache[tables]  # (B, W, block_size, H, D)
-    batch, width, block_size, heads, dim = pages.shape
-    out = pages.new_empty(batch, heads, width * block_size, dim + ones, dtype=torch.float32)
-    out[..., :dim].view(batch, heads, width, block_size, dim).copy_(pages.permute(0, 3, 1, 2, 4))
+    blocks = cache[tables]  # (B, W, block_size, H, D)
+    batch, width, block_size, heads, dim = blocks.shape
+    out = blocks.new_empty(batch, heads, width * block_size, dim + ones, dtype=torch.float32)
+    out[..., :dim].view(batch, heads, width, block_size, dim).copy_(blocks.permute(0, 3, 1, 2, 4))
     if ones:
         out[..., dim] = 1.0
     return out.view(batch, heads, -1, INVARIANT_KEYS, dim + ones)
 
 
 def _whole_pieces(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block tables [B, W] padded with page 0 (never attended to) to whole INVARIANT_KEYS tokens."""
-    pages = -(-INVARIANT_KEYS // block_size)
-    return F.pad(tables, (0, -tables.shape[1] % pages))
+    """Block tables [B, W] padded with block 0 (never attended to) to whole INVARIANT_KEYS tokens."""
+    blocks = -(-INVARIANT_KEYS // block_size)
+    return F.pad(tables, (0, -tables.shape[1] % blocks))
 
 
 def invariant_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segment: PrefillSegment,

@@ -1,6 +1,6 @@
 """Decode attention over the paged pool, one backend chosen at start (with the kernels, if any, its blocks fuse their
 norms and GELU through): `store_kv(k, v, k_cache, v_cache, slots)` and
-`decode(query, k_cache, v_cache, block_tables, context_lens, scale)`, a layer's pages (blocks, block_size, H, D)."""
+`decode(query, k_cache, v_cache, block_tables, context_lens, scale)`, a layer's caches (blocks, block_size, H, D)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Requests sharing a prompt prefix go to one replica (its prefix cache holds their pages); a request without a
+"""Requests sharing a prompt prefix go to one replica (its prefix cache holds their blocks); a request without a
 prompt, or whose replica is far busier than the least loaded, goes to the least loaded."""
 
 from __future__ import annotations

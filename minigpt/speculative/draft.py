@@ -17,7 +17,7 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 
 
 class DraftSequence:
-    """A target sequence's tokens and pages in the draft pool, read by `ModelRunner.prepare`."""
+    """A target sequence's tokens and blocks in the draft pool, read by `ModelRunner.prepare`."""
 
     prompt_logprobs = None
     scores_only = False
@@ -68,7 +68,7 @@ class DraftModel:
                 mirror = mirrors[i]
                 need = self.blocks.blocks_needed(len(mirror.token_ids)) - len(mirror.block_table)
                 if not self.blocks.can_allocate(need):
-                    self.release(seqs[i])  # pages short: this sequence drafts no further this step
+                    self.release(seqs[i])  # blocks short: this sequence drafts no further this step
                     mirrors[i] = None
                     continue
                 self.blocks.grow(mirror.block_table, len(mirror.token_ids))
@@ -102,7 +102,7 @@ class DraftModel:
         return mirror
 
     def release(self, seq: Sequence) -> None:
-        """Return the draft pages of a finished (or starved) sequence."""
+        """Return the draft blocks of a finished (or starved) sequence."""
         mirror = self.seqs.pop(seq, None)
         if mirror is not None:
             self.blocks.free_blocks(mirror.block_table)

@@ -53,7 +53,7 @@ class Speculator:
         self._probe_acceptance = min(self.draft_cost + VERIFY_COST_PER_TOKEN + PROBE_MARGIN, PRIOR_ACCEPTANCE)
 
     def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
-        """The step's chunks with drafts added to its decodes, within the token budget and the free pages."""
+        """The step's chunks with drafts added to its decodes, within the token budget and the free blocks."""
         budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
         seqs, ks = [], []
         for seq, chunk in chunks:
@@ -107,7 +107,7 @@ class Speculator:
     sampling_rows = staticmethod(sampling_rows)
 
     def verify(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> None:
-        """Keep the draws that confirm seq's drafts; roll the rejected drafts' K/V back, return spare pages."""
+        """Keep the draws that confirm seq's drafts; roll the rejected drafts' K/V back, return spare blocks."""
         num_drafts = len(seq.draft_token_ids)
         self.record(seq, num_drafts, accept(seq, tokens, logprobs))
         seq.draft_token_ids = []

@@ -116,7 +116,7 @@ class TensorParallelRunner(ModelRunner):
             raise RuntimeError(self._broken + "; close this LLM and start another") from err
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy rank 0's heads' pages now, the workers' with the next step."""
+        """Copy rank 0's heads' blocks now, the workers' with the next step."""
         super().copy_blocks(copies)
         self._copies += copies
 
