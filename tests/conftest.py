@@ -103,7 +103,7 @@ def hf_greedy(ref, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def assert_all_free(llm) -> None:
-    """Every page is back in the pool and no request is left in the scheduler."""
+    """Every block is back in the pool and no request is left in the scheduler."""
     info = llm.kv_cache_info
     assert info["blocks_in_use"] == 0, info
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting

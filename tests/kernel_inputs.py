@@ -32,10 +32,10 @@ TOL = {
 }
 
 
-def make_pages(
+def make_pool(
     context_lens: list[int], block_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
 ) -> SimpleNamespace:
-    """A KV pool with shuffled pages for sequences of ``context_lens``, and one query per sequence.
+    """A KV pool with shuffled blocks for sequences of ``context_lens``, and one query per sequence.
 
     Returns query [B, H, D], k_cache/v_cache [num_blocks, block_size, H, D], block_tables [B, width] int32,
     context_lens [B] int32 and scale. Each block table has two spare entries past what its sequence needs,
@@ -64,7 +64,7 @@ def make_pages(
 
 
 def decode_args(p: SimpleNamespace) -> tuple:
-    """The positional arguments of ``paged_decode_attention`` for inputs from ``make_pages``."""
+    """The positional arguments of ``paged_decode_attention`` for inputs from ``make_pool``."""
     return p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale
 
 

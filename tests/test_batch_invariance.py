@@ -49,7 +49,7 @@ def draw_case(rng: random.Random, target: list[int], n_positions: int = N_POSITI
     for _ in range(rng.randrange(1, 6)):
         length = rng.randrange(1, n_positions - MAX_TOKENS)
         prompt = [rng.randrange(VOCAB) for _ in range(length)]
-        if rng.random() < 0.4:  # shares the target's first pages
+        if rng.random() < 0.4:  # shares the target's first blocks
             shared = rng.randrange(1, len(target))
             prompt = target[:shared] + prompt[: max(1, length - shared)]
         others.append(prompt)

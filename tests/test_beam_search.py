@@ -1,4 +1,4 @@
-"""Beam search: the hypotheses of transformers' beam search, in its order, with beams sharing pages."""
+"""Beam search: the hypotheses of transformers' beam search, in its order, with beams sharing blocks."""
 
 from __future__ import annotations
 
@@ -109,9 +109,9 @@ def test_text_prompt_equals_its_ids(llm):
     assert by_text.sequences[0].text == llm.tokenizer.decode(by_text.sequences[0].token_ids)
 
 
-def test_beams_share_pages_and_copy_on_write(llm):
-    """One 30-token prompt, 4 beams, 4-token pages: the prompt's pages once, a partial page copied when the
-    beams sharing it diverge, far fewer pages than 4 separate sequences."""
+def test_beams_share_blocks_and_copy_on_write(llm):
+    """One 30-token prompt, 4 beams, 4-token blocks: the prompt's blocks once, a partial block copied when the
+    beams sharing it diverge, far fewer blocks than 4 separate sequences."""
     held, copies = [], []
 
     def watch(batch, sampled, num_tokens):
@@ -167,7 +167,7 @@ def test_beams_batch_with_ordinary_requests(llm):
     assert_all_free(llm)
 
 
-def test_abort_returns_every_page(llm):
+def test_abort_returns_every_block(llm):
     engine = llm.engine
     group = engine.make_request(PROMPTS[3], BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS))
     engine.add(group)
@@ -287,7 +287,7 @@ def test_server_refuses_what_beam_search_cannot_do(server, body, param):
 @pytest.mark.parametrize("beam_left_out", ["idle", "unscheduled"])
 def test_a_failed_step_fails_the_whole_beam_search_and_the_engine_goes_on(tiny_checkpoint, beam_left_out):
     """A step that raises fails its sequences; the beams it did not hold (idle, waiting for their siblings, or
-    left out by the token budget) fail with them: every page back, the engine serving the next request."""
+    left out by the token budget) fail with them: every block back, the engine serving the next request."""
     from minigpt import AsyncLLM
 
     with AsyncLLM(str(tiny_checkpoint), kv_cache_tokens=1024, block_size=16, max_num_batched_tokens=2) as llm:

@@ -45,12 +45,12 @@ def test_a_batch_replays_the_smallest_size_that_holds_it():
     graphs = DecodeGraphs(None, capture_sizes(40), max_blocks=4, scratch_block=3, block_size=8,
                           device=torch.device("cpu"))
     assert [graphs.bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 33, 40)] == [1, 2, 4, 8, 8, 16, 16, 32, 40, 40]
-    # static buffers of the largest size; the page tables as wide as the model's context
+    # static buffers of the largest size; the block tables as wide as the model's context
     assert graphs.input_ids.shape == (40,) and graphs.tables.shape == (40, 4)
     assert (graphs.slots == 3 * 8).all() and (graphs.tables == 3).all() and (graphs.lens == 1).all()
 
 
-def test_cpu_engine_captures_no_graph_and_keeps_no_scratch_page(tiny_checkpoint):
+def test_cpu_engine_captures_no_graph_and_keeps_no_scratch_block(tiny_checkpoint):
     with LLM(str(tiny_checkpoint), block_size=8, kv_cache_tokens=256) as llm:
         runner = llm.engine.runner
         assert not isinstance(runner.forward_path, DecodeGraphs)
@@ -69,11 +69,11 @@ def test_enforce_eager_is_a_switch():
 
 
 def with_graphs(llm: LLM, max_batch: int) -> Counter:
-    """Give a CPU engine decode graphs replayed by calling, over a page taken from its free list; returns a
+    """Give a CPU engine decode graphs replayed by calling, over a block taken from its free list; returns a
     counter of the batch sizes replayed."""
     engine = llm.engine
     runner = engine.runner
-    scratch = engine.blocks.free.pop()  # a page no sequence will own
+    scratch = engine.blocks.free.pop()  # a block no sequence will own
     graphs = DecodeGraphs(runner.forward, capture_sizes(max_batch), -(-engine.model_config.n_positions // 8),
                           scratch, 8, runner.device, capture=replay_by_calling)
     graphs.capture_all()
@@ -94,7 +94,7 @@ def run(path, max_batch: int | None, logprobs: int = 2):
         pool = llm.engine.runner.pool.kv.clone()
         if max_batch:
             scratch = llm.engine.runner.forward_path.scratch_block
-            pool[:, :, scratch] = 0  # padding rows' page
+            pool[:, :, scratch] = 0  # padding rows' block
             llm.engine.blocks.free.append(scratch)
         assert_all_free(llm)
     return [o.token_ids for o in outs], [o.logprobs for o in outs], pool, replayed
@@ -105,7 +105,7 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_checkpoint, max_batch)
     """Six sequences finishing at different steps replay padded sizes (6 -> 8, 5 -> 8, 3 -> 4, ...); with
     graphs of up to 4, the steps of 5 and 6 sequences run eagerly. Tokens equal the eager engine's,
     logprobs too (to float rounding: the CPU's products may sum a padded batch in another order), and
-    padding rows wrote only the scratch page: the pools hold the same K/V."""
+    padding rows wrote only the scratch block: the pools hold the same K/V."""
     tokens, logprobs, pool, replayed = run(tiny_checkpoint, max_batch)
     want_tokens, want_logprobs, want_pool, _ = run(tiny_checkpoint, None)
     assert tokens == want_tokens

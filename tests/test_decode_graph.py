@@ -16,7 +16,7 @@ from minigpt.model.backends import TorchBackend
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
-# Around the block boundaries of block_size=8, and long enough to grow several pages.
+# Around the block boundaries of block_size=8, and long enough to grow several blocks.
 LENGTHS = [1, 7, 8, 9, 30, 64]
 MAX_TOKENS = [12, 9, 20, 2, 16, 30]
 
@@ -35,7 +35,7 @@ def eager_step(runner, inputs, kv=None):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache_dtype, block_size):
     """`decode_step` over `decode_layer` (what the compiled decode runs, eagerly) gives the eager paged
-    step's logits and stores the same K/V. With a half-precision pool both read the same rounded pages;
+    step's logits and stores the same K/V. With a half-precision pool both read the same rounded blocks;
     only the new token's own K/V differs (the eager step reads it back rounded from the pool, the pure
     step uses it as computed)."""
     prompts = random_prompts(LENGTHS)

@@ -113,7 +113,7 @@ def test_prompt_at_full_context(tiny_checkpoint, reference):
 
 
 def test_default_pool_holds_a_full_context_whatever_the_block_size(tiny_checkpoint, reference):
-    """One sequence at a time and 48-token pages: 128 positions need 3 pages, not the 2 that fit in 128 tokens."""
+    """One sequence at a time and 48-token blocks: 128 positions need 3 blocks, not the 2 that fit in 128 tokens."""
     prompt = random_prompts([120], seed=4)[0]
     with LLM(str(tiny_checkpoint), max_num_seqs=1, block_size=48) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
@@ -433,7 +433,7 @@ def test_generate_inside_a_stream_loop(tiny_checkpoint):
         assert_all_free(llm)
 
 
-def test_n_completions_share_the_prompt_pages(tiny_checkpoint):
+def test_n_completions_share_the_prompt_blocks(tiny_checkpoint):
     prompt = random_prompts([40], seed=21)[0]  # two full blocks of 16
     params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=5, ignore_eos=True)
     with LLM(str(tiny_checkpoint)) as llm:
@@ -500,7 +500,7 @@ def test_logprobs_of_generated_tokens_equal_transformers(tiny_checkpoint, refere
 def test_max_tokens_zero_scores_the_prompt_without_sampling(tiny_checkpoint, reference):
     """`max_tokens=0` with `prompt_logprobs`: the prompt's log-probabilities (transformers' log-softmax),
     nothing generated and no sampling step; scoring requests batch with each other and with generating
-    ones, chunked or not, and give their pages back."""
+    ones, chunked or not, and give their blocks back."""
     prompts = random_prompts([9, 30, 1, 17], seed=11)
     score = SamplingParams(max_tokens=0, prompt_logprobs=1)
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)

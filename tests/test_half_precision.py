@@ -1,7 +1,7 @@
 """fp16 and bf16 (the whole model, or only its KV pool) through the whole engine against fp32
 transformers on the same random checkpoints.
 
-The engine runs its paged path (prompts of several pages batched, then batched decode, greedy) and
+The engine runs its paged path (prompts of several blocks batched, then batched decode, greedy) and
 the logits each token was picked from are captured at the sampler. transformers, fp32, scores the
 same token sequences (teacher forcing), so every position compares like with like. Errors are
 relative to the fp32 logit range of their position.
@@ -46,7 +46,7 @@ from conftest import hf_model, needs_cuda, with_residual_outliers
 
 CONFIGS = {"default": {}, "odd-heads": dict(n_head=3, n_embd=48)}
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]  # each with transformers on it
-LENGTHS = [1, 7, 16, 29, 50]  # one token, inside a page, page multiples, several pages (block_size=8)
+LENGTHS = [1, 7, 16, 29, 50]  # one token, inside a block, block multiples, several blocks (block_size=8)
 MAX_TOKENS = 24
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pages
+from kernel_inputs import DEVICE, DTYPES, TOL, decode_args, fused_kv_rows, make_pool
 
 from minigpt.common.torch_support import release
 from minigpt.compile.attention import PROMPT_PIECE, causal_mask, prompt_attention
@@ -43,21 +43,21 @@ def naive_decode_attention(p: SimpleNamespace) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_reference_decode_matches_naive_attention(dtype: torch.dtype, block_size: int) -> None:
-    p = make_pages([1, block_size, 2 * block_size, 37, 70], block_size, num_heads=3, head_dim=64, dtype=dtype)
+    p = make_pool([1, block_size, 2 * block_size, 37, 70], block_size, num_heads=3, head_dim=64, dtype=dtype)
     out = reference.paged_decode_attention(*decode_args(p))
     assert out.dtype == dtype and out.shape == p.query.shape
     torch.testing.assert_close(out.double(), naive_decode_attention(p), **TOL[dtype])
 
 
 def test_reference_decode_empty_context_gives_zeros() -> None:
-    p = make_pages([0, 5], 16, num_heads=2, head_dim=64, dtype=torch.float32)
+    p = make_pool([0, 5], 16, num_heads=2, head_dim=64, dtype=torch.float32)
     out = reference.paged_decode_attention(*decode_args(p))
     assert (out[0] == 0).all() and out.isfinite().all()
 
 
 def test_reference_decode_fp16_softmax_runs_in_fp32() -> None:
     """Scores far past fp16's range (65504) still give the right, finite attention."""
-    p = make_pages([20, 9], 8, num_heads=2, head_dim=64, dtype=torch.float16)
+    p = make_pool([20, 9], 8, num_heads=2, head_dim=64, dtype=torch.float16)
     p.k_cache *= 100.0
     p.query *= 100.0
     p.scale = 1.0
@@ -94,8 +94,8 @@ def test_token_attention_is_causal_attention(compiled: bool, length: int, cached
 
 
 def paged_prompt(length: int, block_size: int, pool: torch.dtype):
-    """q [length, H, D] and its K/V stored in a pool of `pool` pages, in shuffled blocks; slots no prompt
-    position holds are NaN (a stale page may hold anything)."""
+    """q [length, H, D] and its K/V stored in shuffled blocks of a `pool` pool; slots no prompt
+    position holds are NaN (a stale block may hold anything)."""
     torch.manual_seed(0)
     heads, dim, blocks = 3, 64, -(-length // block_size) + 2
     q, k, v = (torch.randn(length, heads, dim) for _ in range(3))
@@ -109,7 +109,7 @@ def paged_prompt(length: int, block_size: int, pool: torch.dtype):
 @pytest.mark.parametrize(("block_size", "pool"), [(16, torch.float32), (8, torch.float16)])
 def test_prompt_attention_is_causal_attention_and_the_same_bits_however_chunked(block_size, pool) -> None:
     """A prompt's rows through `prompt_attention`, in one chunk or in chunks of any size (its earlier
-    positions then read back from the pages): causal attention over the pages as stored, each row the
+    positions then read back from the blocks): causal attention over the blocks as stored, each row the
     same bits in every chunking (the flash kernel's own blocks follow the keys it is given), NaN slots
     past the prompt never read."""
     length = 300
@@ -146,12 +146,12 @@ def test_token_attention_takes_the_cpu_flash_kernel(masked: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_backend_reuses_one_gather_buffer(dtype: torch.dtype) -> None:
-    """The engine's CPU backend gathers pages into a buffer it keeps: results equal the reference's fresh
+    """The engine's CPU backend gathers blocks into a buffer it keeps: results equal the reference's fresh
     gathers whether the buffer is new, left over (larger, stale) from a bigger step, or regrown."""
     backend = TorchBackend()
-    big = make_pages([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=dtype, seed=1)
-    small = make_pages([9, 30], 16, num_heads=3, head_dim=64, dtype=dtype, seed=2)
-    bigger = make_pages([130, 1, 64, 33, 17, 90], 16, num_heads=3, head_dim=64, dtype=dtype, seed=3)
+    big = make_pool([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=dtype, seed=1)
+    small = make_pool([9, 30], 16, num_heads=3, head_dim=64, dtype=dtype, seed=2)
+    bigger = make_pool([130, 1, 64, 33, 17, 90], 16, num_heads=3, head_dim=64, dtype=dtype, seed=3)
     buffers = []
     for p in (big, small, bigger):
         out = backend.decode(*decode_args(p))
@@ -161,13 +161,13 @@ def test_torch_backend_reuses_one_gather_buffer(dtype: torch.dtype) -> None:
     assert buffers[2].numel() == 2 * bigger.block_tables.numel() * bigger.k_cache[0].numel()
 
 
-@pytest.mark.parametrize("pages", [torch.float16, torch.bfloat16])
-def test_torch_backend_converts_half_pages_into_a_kept_buffer(pages: torch.dtype) -> None:
-    """A half-precision pool under a float32 query (kv_cache_dtype): the pages are converted into a second
+@pytest.mark.parametrize("pool", [torch.float16, torch.bfloat16])
+def test_torch_backend_converts_half_blocks_into_a_kept_buffer(pool: torch.dtype) -> None:
+    """A half-precision pool under a float32 query (kv_cache_dtype): the blocks are converted into a second
     kept buffer, with the results of converting fresh copies."""
     backend = TorchBackend()
-    big = make_pages([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=pages, seed=1)
-    small = make_pages([9, 30], 16, num_heads=3, head_dim=64, dtype=pages, seed=2)
+    big = make_pool([70, 37, 16, 5], 16, num_heads=3, head_dim=64, dtype=pool, seed=1)
+    small = make_pool([9, 30], 16, num_heads=3, head_dim=64, dtype=pool, seed=2)
     buffers = []
     for p in (big, small):
         p.query = p.query.float()

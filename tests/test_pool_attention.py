@@ -1,5 +1,5 @@
 """The compiled decode's C++ attention (kernels/pool_attention_avx2.cpp): `PoolAttention`'s results to fp32 rounding
-for every pool dtype, length and page layout it meets; the new K/V stored in their slots and nothing else written; a
+for every pool dtype, length and block layout it meets; the new K/V stored in their slots and nothing else written; a
 sequence's bits the same alone, in any batch and on any number of threads; its refusals; where the compiled steps
 take it."""
 
@@ -29,15 +29,15 @@ def step(
     heads: int = 4,
     dim: int = 16,
     block_size: int = 4,
-    pages: int = 64,
+    blocks: int = 64,
     seed: int = 0,
 ):
-    """A layer's pool [1, 2, pages, block_size, H, D], shuffled page tables padded with page 0 (each sequence's
-    pages for its cached tokens and its new one), q/k/v [B, H, D]."""
+    """A layer's pool [1, 2, blocks, block_size, H, D], shuffled block tables padded with block 0 (each sequence's
+    blocks for its cached tokens and its new one), q/k/v [B, H, D]."""
     generator = torch.Generator().manual_seed(seed)
-    pool = torch.randn(1, 2, pages, block_size, heads, dim, generator=generator).to(dtype)
+    pool = torch.randn(1, 2, blocks, block_size, heads, dim, generator=generator).to(dtype)
     width = max(length // block_size + 1 for length in lengths)
-    order = torch.randperm(pages - 1, generator=generator) + 1
+    order = torch.randperm(blocks - 1, generator=generator) + 1
     tables = torch.zeros(batch, width, dtype=torch.int32)
     used = 0
     for row, length in enumerate(lengths):
@@ -65,7 +65,7 @@ def test_the_kernel_is_pool_attention_to_fp32_rounding(dtype, lengths):
 def test_head_sizes_of_any_multiple_of_8(dim):
     kernel_or_skip()
     pool, tables, context_lens, scales, q, k, v = step(
-        3, [40, 7, 64], torch.float16, heads=12, dim=dim, block_size=16, pages=16
+        3, [40, 7, 64], torch.float16, heads=12, dim=dim, block_size=16, blocks=16
     )
     expected = PoolAttention(pool, tables, context_lens, scales)(0, q, k, v)
     torch.testing.assert_close(
@@ -97,7 +97,7 @@ def test_a_sequence_s_bits_alone_in_any_batch_and_on_any_threads():
 def test_the_kernel_stores_the_new_k_v_in_their_slots_and_writes_nothing_else(dtype):
     """As `store_kv`, the engine's store (`Tensor.to` the pool's dtype), at each position `context_lens - 1`."""
     kernel_or_skip()
-    lengths = [0, 3, 4, 17]  # the new token first in a page, in one, last in one, and past a full page
+    lengths = [0, 3, 4, 17]  # the new token first in a block, in one, last in one, and past a full block
     pool, tables, context_lens, scales, q, k, v = step(len(lengths), lengths, dtype)
     expected = pool.clone()
     positions = context_lens.long() - 1

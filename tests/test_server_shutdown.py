@@ -1,5 +1,5 @@
 """Graceful shutdown: on SIGTERM `python -m minigpt.serve` stops accepting connections, lets the requests in
-flight finish, cancels those still running after --shutdown-timeout (their KV pages freed) and exits 0."""
+flight finish, cancels those still running after --shutdown-timeout (their KV blocks freed) and exits 0."""
 
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_0(checkpoint):
     assert "Traceback" not in log and "ERROR" not in log, log
 
 
-def test_requests_aborted_at_the_grace_period_free_their_pages(checkpoint):
-    """In process, where the pool can be read: the drain's deadline ends the stream and frees its pages."""
+def test_requests_aborted_at_the_grace_period_free_their_blocks(checkpoint):
+    """In process, where the pool can be read: the drain's deadline ends the stream and frees its blocks."""
     with AsyncLLM(str(checkpoint), kv_cache_tokens=16384) as llm:
         config = uvicorn.Config(build_app(llm, MODEL), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         server = DrainingServer(config, llm, grace=0.2)

@@ -55,7 +55,7 @@ def plain(tiny_checkpoint):
         {},
         {"block_size": 8, "enable_prefix_caching": False},
         {"max_num_batched_tokens": 24},  # drafts verified beside prompt chunks, some cut by the budget
-        {"kv_cache_tokens": 160},  # preemption and recompute: drafts use spare pages only
+        {"kv_cache_tokens": 160},  # preemption and recompute: drafts use spare blocks only
     ],
     ids=["default", "block8-nocache", "chunked", "tiny-pool"],
 )

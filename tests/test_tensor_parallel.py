@@ -21,7 +21,7 @@ from minigpt.engine.config import EngineConfig
 from minigpt.model.gpt2 import load_model
 from minigpt.tensor_parallel.shard import Shard
 
-# Small pages, a small pool and small steps: prompts are prefilled in chunks, share cached prefixes,
+# Small blocks, a small pool and small steps: prompts are prefilled in chunks, share cached prefixes,
 # and preempt each other
 ENGINE = dict(block_size=8, kv_cache_tokens=256, max_num_batched_tokens=24, max_num_seqs=8)
 PROMPTS = [
@@ -220,8 +220,8 @@ def test_int8_shards_quantize_per_rank_close_to_one_rank(checkpoint_factory):
                                    torch.tensor([t.logprob for t in want.prompt_logprobs[1:]]), rtol=5e-3, atol=1e-3)
 
 
-def test_beam_search_equals_one_rank_with_pages_copied_on_every_rank(pair):
-    """Beams share the prompt's partial page; its copy on write must happen in every rank's heads."""
+def test_beam_search_equals_one_rank_with_blocks_copied_on_every_rank(pair):
+    """Beams share the prompt's partial block; its copy on write must happen in every rank's heads."""
     one, two = pair
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     copies = []

@@ -20,9 +20,9 @@ from minigpt.model.gpt2 import GPT2  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
-LENGTHS = [1, 8, 17, 30]  # one token, one whole page, ragged, several pages (block_size=8)
+LENGTHS = [1, 8, 17, 30]  # one token, one whole block, ragged, several blocks (block_size=8)
 MAX_TOKENS = 12
-# Small pages and chunked prefill: the Triton KV store writes pages that SDPA prefill chunks read back.
+# Small blocks and chunked prefill: the Triton KV store writes blocks that SDPA prefill chunks read back.
 ENGINE_ARGS = dict(block_size=8, max_num_batched_tokens=24)
 NEAR_TIE = 5e-3  # fp32 top-2 logit gap / logit range below which bf16 rounding may flip a greedy token
 
@@ -45,7 +45,7 @@ def greedy(path, dtype: str, backend: str, kv_cache_dtype: str | None = None) ->
 @pytest.mark.parametrize(
     "config,dtype,kv_cache_dtype",
     [({}, "float32", None), ({}, "float16", None), (dict(n_head=3, n_embd=48), "float16", None),  # 3 heads: masked
-     ({}, "float32", "float16")],  # BLOCK_H; a float32 model over half pages: the kernels convert both ways
+     ({}, "float32", "float16")],  # BLOCK_H; a float32 model over half blocks: the kernels convert both ways
     ids=["default-float32", "default-float16", "odd-heads-float16", "default-float32-kv-float16"],
 )
 def test_triton_backend_gives_the_torch_backend_tokens(checkpoint_factory, config, dtype, kv_cache_dtype):
