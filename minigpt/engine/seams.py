@@ -44,8 +44,9 @@ class Step:
         kept: tuple[list[Sequence], list[int]] = ([], [])
         moved: dict[int, int] = {}  # a kept sequence's first row before -> after
         for seq, rows in self.spans():
-            seqs, picked = taken if claim(seq) else kept
-            if picked is kept[1]:
+            claimed = claim(seq)
+            seqs, picked = taken if claimed else kept
+            if not claimed:
                 moved[rows.start] = len(picked)
             seqs.append(seq)
             picked += self.rows[rows]
