@@ -281,6 +281,13 @@ def alive_in_groups(groups: set[int]) -> list[int]:
     return alive
 
 
+def signals_at_their_defaults() -> None:
+    """Undo what a launcher set (nohup ignores SIGHUP, a shell's background job SIGINT): the engine leaves an
+    ignored signal ignored, and this test is about the signals that end it."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def wait_for(condition, what: str, limit: float = 300):
     """Poll `condition()` until it is truthy (its value), failing after `limit` seconds."""
     end = time.monotonic() + limit
@@ -301,7 +308,8 @@ def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_chec
     root = tmp_path / "cache"
     start = (f"from minigpt import LLM; from minigpt.compile import cache as c; c.build_workers = lambda specs: 2; "
              f"LLM({str(tiny_checkpoint)!r}, compile=True, compile_cache_dir={str(root)!r})")
-    engine = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    engine = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              preexec_fn=signals_at_their_defaults)
     try:
         groups = set(wait_for(lambda: workers_of(engine.pid), "saw a compile worker"))
         engine.send_signal(sig)
@@ -315,3 +323,17 @@ def test_a_signal_during_a_first_build_leaves_no_process_and_no_folder(tiny_chec
     assert len(left) == (1 if sig == signal.SIGKILL else 0) and all(BUILDING in name for name in left)
     ProgramCache(root).prune({})  # what the next start does first
     assert not list(root.iterdir())
+
+
+def test_a_signal_the_launcher_ignored_stays_ignored_through_a_build():
+    """Under nohup a SIGHUP is ignored: the build takes only the signals left at their defaults."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with compile_build.unwound_by_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before[0])
+        signal.signal(signal.SIGTERM, before[1])
