@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
+    threads = args.threads or torch.get_num_threads()  # the engine gives torch's count back when it closes
     with tempfile.TemporaryDirectory() as folder:
         llm_args = dict(model=str(tiny_checkpoint(Path(folder), args.vocab)), max_num_seqs=max(batches),
                         num_threads=args.threads,
@@ -186,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = host_times(llm_args, batches, args)
     described = cpu_class.describe()
-    print(f"CPU class {described}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    print(f"CPU class {described}; torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}; "
           f"medians of {args.repeats} x {args.steps} steps")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cpu_class": described, "steps": args.steps, "repeats": args.repeats,
+        args.json.write_text(json.dumps({"cpu_class": described, "threads": threads, "steps": args.steps,
+                                         "repeats": args.repeats,
                                          "batches": results}, indent=2) + "\n")
     return 0
 
