@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu_class": described, "threads": threads, "steps": args.steps,
-                                         "repeats": args.repeats,
-                                         "batches": results}, indent=2) + "\n")
+                                         "repeats": args.repeats, "batches": results}, indent=2) + "\n")
     return 0
 
 
