@@ -507,7 +507,7 @@ def test_max_tokens_zero_scores_the_prompt_without_sampling(tiny_checkpoint, ref
     with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24) as llm:
         sampled_rows: list[int] = []
         sampler = llm.engine.sampler
-        llm.engine.sampler = lambda logits, rows, mask: sampled_rows.append(len(rows)) or sampler(logits, rows, mask)
+        llm.engine.sampler = lambda logits, rows: sampled_rows.append(len(rows)) or sampler(logits, rows)
         outs = llm.generate(prompts, [score, score, score, greedy])
         assert sum(sampled_rows) == 4  # the greedy request's tokens only
         alone = llm.generate(prompts[:3], score)

@@ -47,3 +47,26 @@ def test_a_fork_goes_on_with_its_own_text_and_statistics(tok):
     assert (parent.text, parent.take_text_delta(), parent.finished) == (" hello world", " world", False)
     assert (child.text, child.take_text_delta(), child.finish_reason) == (" hello there", " there", "stop")
     assert parent.stats.num_spec_steps == 0 and parent.stats.finished is None
+
+
+def test_a_last_token_ends_the_output_as_text(tok):
+    seq = sequence(tok)
+    seq.append(tok.encode(" yes")[0], last=True)
+    assert seq.finish_reason == "stop" and seq.text == " yes"
+
+
+def test_an_eos_a_feature_ends_on_is_no_text_even_with_ignore_eos(tok):
+    seq = sequence(tok, ignore_eos=True)
+    seq.append(tok.encode(" yes")[0])
+    seq.append(tok.eos_token_id)
+    assert not seq.finished  # ignore_eos: an EOS alone goes on
+    seq.append(tok.eos_token_id, last=True)
+    assert seq.finish_reason == "stop" and seq.text == " yes" + tok.decode([tok.eos_token_id])
+
+
+def test_a_refused_token_fails_the_sequence_and_is_no_text(tok):
+    seq = sequence(tok)
+    seq.append(tok.encode(" yes")[0])
+    seq.refuse(tok.encode(" no")[0], None, "not allowed")
+    assert (seq.finish_reason, seq.error, seq.text) == ("error", "not allowed", " yes")
+    assert len(seq.output_token_ids) == 2

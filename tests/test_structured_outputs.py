@@ -15,7 +15,6 @@ import torch
 
 from minigpt import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from minigpt.engine.seams import Step
-from minigpt.sampling import GrammarMask
 from minigpt.sampling.bitmask import allowed_tokens, apply_bitmask, bitmask_words
 from minigpt.structured.grammar import MISSING_EXTRA, compiler_for
 
@@ -266,16 +265,33 @@ def test_bitmask_unpacks_bit_j_of_word_i_as_token_32i_plus_j():
     assert torch.isneginf(masked[~expected.bool()]).all()
 
 
-def test_a_mask_set_before_rows_are_taken_follows_the_rows_left():
-    """Step.take keeps a grammar mask on the sequences that stay, whatever took rows out after it was set."""
+def test_step_take_hands_out_each_sequences_rows():
+    """Step.take gives the claimed sequences their rows (a drafting one all of its), the rest keep theirs."""
     a, b, c = (SimpleNamespace(draft_token_ids=drafts) for drafts in ([], [7], []))  # rows: a 0, b 1-2, c 3
     step = Step(None, None, None, [a, b, c], [10, 11, 12, 13])
-    step.grammar = GrammarMask([0, 3], torch.tensor([[1], [3]], dtype=torch.int32))  # a's and c's
     assert step.take(lambda seq: seq is a) == ([a], [10])
-    assert (step.seqs, step.rows, step.grammar.rows, step.grammar.bitmask.tolist()) == ([b, c], [11, 12, 13], [2],
-                                                                                        [[3]])
-    step.take(lambda seq: seq is c)
-    assert step.grammar is None
+    assert (step.seqs, step.rows) == ([b, c], [11, 12, 13])
+    assert step.take(lambda seq: seq is c) == ([c], [13])
+    assert (step.seqs, step.rows) == ([b], [11, 12])
+
+
+def test_a_token_the_grammar_refuses_fails_the_sequence_and_is_no_text(llm, monkeypatch):
+    from minigpt.structured.grammar import GrammarState
+
+    monkeypatch.setattr(GrammarState, "advance", lambda self, token_id: False)
+    monkeypatch.setattr(GrammarState, "error", property(lambda self: "refused here"))
+    engine = llm.engine
+    request = engine.make_request(PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs=(
+        StructuredOutputsParams(regex=REGEX))))
+    engine.add(request)
+    while not request.finished:
+        engine.step()
+    seq = request.seqs[0]
+    assert seq.finish_reason == "error" and len(seq.output_token_ids) == 1 and seq.text == ""
+    assert seq.error == (f"token {seq.output_token_ids[0]} does not fit the structured output's grammar: "
+                         "refused here")
+    assert not any(getattr(p, "states", None) for p in engine.postprocessors)  # its state went with it
+    assert_all_free(llm)
 
 
 def test_postprocessors_run_in_any_order(llm):
@@ -294,7 +310,7 @@ def test_postprocessors_run_in_any_order(llm):
         return [request.output() for request in requests]
 
     first = engine.postprocessors[:]
-    assert {type(p).__name__ for p in first} == {"BeamPostprocessor", "GrammarMasker"}
+    assert {type(p).__name__ for p in first} == {"BeamPostprocessor", "GrammarPostprocessor"}
     want = run()
     engine.postprocessors.reverse()
     try:

@@ -44,7 +44,7 @@ def build_engine(model: str, config: EngineConfig) -> Engine:
             "(is a tokenizer file that adds it missing from %s?)", unreachable[0], engine.vocab_limit, path,
         )
     try:
-        plug_beam_search(engine)  # before the grammar mask: beams take their rows out of the step first
+        plug_beam_search(engine)
         plug_structured_outputs(engine)
         if config.speculative_config is not None:
             plug_speculation(engine, build_runner)

@@ -65,7 +65,7 @@ class Engine:
                 seq.abort()
             elif not seq.finished:
                 seq.fail(error)
-            self._finish(seq)
+            self.finish(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -159,7 +159,7 @@ class Engine:
         for seq, _ in batch.chunks:
             if not seq.finished:
                 seq.fail(error)
-            self._finish(seq)
+            self.finish(seq)
         for request_id in {seq.request_id for seq, _ in batch.chunks}:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
@@ -193,7 +193,7 @@ class Engine:
         for seq in step.inputs.prefill_seqs:  # a scoring request never decodes
             if seq.scores_only and not seq.num_uncomputed_tokens:
                 seq.finish_scoring()
-                self._finish(seq)
+                self.finish(seq)
                 step.updated.append(seq)
 
     def _sampled_logits(self, step: Step) -> torch.Tensor:
@@ -205,8 +205,7 @@ class Engine:
         if not step.seqs:
             return
         spec = self.speculator
-        out = self.sampler(self._sampled_logits(step), spec.sampling_rows(step.seqs) if spec else step.seqs,
-                           step.grammar)
+        out = self.sampler(self._sampled_logits(step), spec.sampling_rows(step.seqs) if spec else step.seqs)
         tokens, logprobs = out.token_ids, out.logprobs or [None] * len(out.token_ids)
         if len(tokens) == len(step.seqs):  # a row a sequence
             self._append_each(step.seqs, tokens, logprobs)
@@ -217,18 +216,19 @@ class Engine:
             else:
                 spec.verify(seq, tokens[rows], logprobs[rows])
             if seq.finished:
-                self._finish(seq)
+                self.finish(seq)
 
     def _append_each(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
         for seq, token, token_logprobs in zip(seqs, tokens, logprobs, strict=True):
             seq.append(token, token_logprobs)
             if seq.status is FINISHED:
-                self._finish(seq)
+                self.finish(seq)
 
     def device_rows(self, rows: list[int]) -> torch.Tensor:
         return to_device(rows, torch.int64, self.runner.device)
 
-    def _finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """Give a finished sequence's blocks back; a feature that appends tokens itself calls it."""
         self.scheduler.finish(seq)
         if self.speculator is not None:
             self.speculator.release(seq)

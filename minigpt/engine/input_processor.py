@@ -13,7 +13,7 @@ from minigpt.common.errors import Named, ParamError
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.request import EngineRequest, Prompt, Request
-from minigpt.engine.sequence import Grammar, Sequence
+from minigpt.engine.sequence import Sequence
 from minigpt.sampling import SamplingParams
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -21,8 +21,8 @@ from minigpt.tokenizer.tokenizer import Tokenizer
 class Grammars(Protocol):
     """Structured outputs, plugged in from above the engine."""
 
-    def prepare(self, params: SamplingParams) -> Callable[[], Grammar]:
-        """Compile params.structured_outputs (ValueError for a bad one); returns a maker of one state per sequence."""
+    def prepare(self, params: SamplingParams) -> Callable[[Sequence], None]:
+        """Compile params.structured_outputs (ValueError for a bad one); returns what gives a sequence its state."""
 
 
 def check_context(prompt_len: int, max_tokens: int | None, n_positions: int) -> int:
@@ -81,17 +81,19 @@ class InputProcessor:
         if self.blocks.blocks_needed(needed) > self.blocks.num_blocks:
             raise ValueError(f"the KV pool holds {self.pool_tokens} tokens but this request needs {needed}; "
                              "raise kv_cache_tokens")
-        grammar = None
+        attach_grammar = None
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no structured outputs plugged in")
-            grammar = self.grammars.prepare(params)  # a bad grammar is refused here
+            attach_grammar = self.grammars.prepare(params)  # a bad grammar is refused here
         request = Request(next(self._ids), text, ids, params)
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         for i in range(params.n):
             seed = (base_seed + i * 0x9E3779B97F4A7C15) & (2**63 - 1)
-            request.seqs.append(Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids,
-                                         self.n_positions, grammar() if grammar is not None else None))
+            seq = Sequence(request.request_id, ids, params, seed, self.tokenizer, self.eos_token_ids, self.n_positions)
+            if attach_grammar is not None:
+                attach_grammar(seq)
+            request.seqs.append(seq)
         return request
 
     def prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -12,12 +12,12 @@ from minigpt.common.transfer import HostCopy
 from minigpt.engine.runner import StepInputs, num_sample_rows
 from minigpt.engine.scheduler import ScheduledBatch
 from minigpt.engine.sequence import Sequence
-from minigpt.sampling import GrammarMask, TokenLogprobs
+from minigpt.sampling import TokenLogprobs
 
 
 @dataclass
 class Step:
-    """One step's logits on their way to tokens: a postprocessor takes its rows out, or sets `grammar`."""
+    """One step's logits on their way to tokens: a postprocessor takes its sequences' rows out."""
 
     batch: ScheduledBatch
     inputs: StepInputs
@@ -25,7 +25,6 @@ class Step:
     seqs: list[Sequence]  # the sequences still to sample, in row order
     rows: list[int]  # their logits rows: one each, plus one per draft it verifies
     updated: list[Sequence] = field(default_factory=list)  # what Engine.step returns
-    grammar: GrammarMask | None = None
     num_tokens: int = 0  # the tokens its sequences gained, once sampled
     drawn: HostCopy | None = None  # its tokens drawn already (an overlapped step's), one per row, read late
 
@@ -38,28 +37,19 @@ class Step:
             row += n
 
     def take(self, claim: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[int]]:
-        """Take out the sequences `claim` picks; returns them and their rows. A grammar mask set before keeps
-        the rows of the sequences left (so postprocessors may run in any order)."""
+        """Take out the sequences `claim` picks; returns them and their rows."""
         taken: tuple[list[Sequence], list[int]] = ([], [])
         kept: tuple[list[Sequence], list[int]] = ([], [])
-        moved: dict[int, int] = {}  # a kept sequence's first row before -> after
         for seq, rows in self.spans():
-            claimed = claim(seq)
-            seqs, picked = taken if claimed else kept
-            if not claimed:
-                moved[rows.start] = len(picked)
+            seqs, picked = taken if claim(seq) else kept
             seqs.append(seq)
             picked += self.rows[rows]
         self.seqs, self.rows = kept
-        if self.grammar is not None:
-            masked = [i for i, row in enumerate(self.grammar.rows) if row in moved]
-            self.grammar = GrammarMask([moved[self.grammar.rows[i]] for i in masked],
-                                       self.grammar.bitmask[masked]) if masked else None
         return taken
 
 
 class Postprocessor(Protocol):
-    """A feature's part of every step, run before sampling: takes its sequences' rows out, or sets a mask."""
+    """A feature's part of every step, run before sampling: takes its sequences' rows out and gives them tokens."""
 
     def __call__(self, step: Step) -> None: ...
 

@@ -8,20 +8,10 @@ import copy
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 from minigpt.engine.sequence_text import SequenceText
 from minigpt.sampling import SamplingParams, TokenLogprobs
 from minigpt.tokenizer.tokenizer import Tokenizer
-
-
-class Grammar(Protocol):
-    """A structured output's state, advanced by every token appended."""
-
-    complete: bool  # satisfied, allowing nothing more but EOS
-    error: str
-
-    def advance(self, token_id: int) -> bool: ...  # False: the grammar refuses the token
 
 
 class Status(enum.Enum):
@@ -67,7 +57,6 @@ class Sequence:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
-        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -91,9 +80,8 @@ class Sequence:
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)
         self.max_len = min(max_model_len, len(prompt_token_ids) + params.max_tokens)
-        self.grammar = grammar
         self._eos_ids = set(eos_token_ids)
-        self._plain = False  # from its first token on, when it has no grammar, stop strings or logprobs
+        self._plain = False  # from its first token on, when it has no stop strings or logprobs
 
     @property
     def finished(self) -> bool:
@@ -111,26 +99,16 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
 
-    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None, last: bool = False) -> None:
+        """`last`: a feature ends the output at this token (a grammar it completes); an EOS there is no text."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
-        if self._plain and token_id not in self._stop_ids:  # most tokens of most sequences: nothing to watch
+        if self._plain and not last and token_id not in self._stop_ids:  # most tokens: nothing to watch
             if len(self.token_ids) >= self.max_len:
                 self._finish("length")
             return
-        if self.stats.first_token is None:
-            self.stats.first_token = time.perf_counter()
-            self._plain = self.grammar is None and not self._scans_stops and self.logprobs is None
-        if logprobs is not None and self.logprobs is not None:
-            self.logprobs.append(logprobs)
-        grammar_done = False
-        if self.grammar is not None:
-            if not self.grammar.advance(token_id):
-                self.text_state.end = len(self.output_token_ids) - 1
-                self.fail(f"token {token_id} does not fit the structured output's grammar: {self.grammar.error}")
-                return
-            grammar_done = self.grammar.complete
-        stopped = token_id in self._stop_ids or (grammar_done and token_id in self._eos_ids)
+        self._took(logprobs)
+        stopped = token_id in self._stop_ids or (last and token_id in self._eos_ids)
         if stopped and len(self.output_token_ids) > self.params.min_tokens:
             self.text_state.end = len(self.output_token_ids) - 1  # the stop token is not text
             self._finish("stop")
@@ -140,10 +118,25 @@ class Sequence:
             if self.text_state.cut_at_stop(self.output_token_ids, find):
                 self._finish("stop", flush=False)
                 return
-        if grammar_done:
+        if last:
             self._finish("stop")
         elif len(self.token_ids) >= self.max_len:
             self._finish("length")
+
+    def refuse(self, token_id: int, logprobs: TokenLogprobs | None, error: str) -> None:
+        """A token drawn that a feature refuses (a grammar's): kept in the output, not in its text; fails."""
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        self._took(logprobs)
+        self.text_state.end = len(self.output_token_ids) - 1
+        self.fail(error)
+
+    def _took(self, logprobs: TokenLogprobs | None) -> None:
+        if self.stats.first_token is None:
+            self.stats.first_token = time.perf_counter()
+            self._plain = not self._scans_stops and self.logprobs is None
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
 
     @property
     def text(self) -> str:

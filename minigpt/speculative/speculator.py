@@ -59,7 +59,7 @@ class Speculator:
         for seq, chunk in chunks:
             if not is_decode(seq, chunk):
                 continue  # a prompt chunk
-            if seq.grammar is not None:
+            if seq.params.structured_outputs is not None:
                 continue  # structured outputs: the grammar takes one token a step
             k = min(self._k(seq), seq.max_len - len(seq.token_ids) - 1, budget)  # never past max_tokens
             if k > 0:

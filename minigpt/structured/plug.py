@@ -1,53 +1,70 @@
-"""Structured outputs plugged into the engine: grammars compiled as requests are built, the sampler's mask."""
+"""Structured outputs plugged into the engine: grammars compiled as requests are built, a state for each of their
+sequences, and the constrained sequences' rows of every step sampled under their grammars' mask."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from operator import attrgetter
 
 from minigpt.engine.engine import Engine
 from minigpt.engine.seams import Step
+from minigpt.engine.sequence import Sequence
 from minigpt.sampling import GrammarMask, SamplingParams
 from minigpt.structured.grammar import GrammarState, compiler_for, fill_bitmask
 from minigpt.tokenizer.tokenizer import Tokenizer
 
+States = weakref.WeakKeyDictionary  # Sequence -> GrammarState: an aborted sequence's state goes with it
+
 
 def plug_structured_outputs(engine: Engine) -> None:
-    engine.inputs.grammars = Grammars(engine.tokenizer)
-    engine.postprocessors.append(GrammarMasker())
+    states: States[Sequence, GrammarState] = States()
+    engine.inputs.grammars = Grammars(engine.tokenizer, states)
+    engine.postprocessors.append(GrammarPostprocessor(engine, states))
 
 
 class Grammars:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, states: States[Sequence, GrammarState]) -> None:
+        self.tokenizer, self.states = tokenizer, states
 
-    def prepare(self, params: SamplingParams) -> Callable[[], GrammarState]:
-        """Compile the constraint now (a bad one raises ValueError); returns a maker of one state per sequence."""
+    def prepare(self, params: SamplingParams) -> Callable[[Sequence], None]:
+        """Compile the constraint now (a bad one raises ValueError); returns what gives a sequence its state."""
         compiler = compiler_for(self.tokenizer)  # llguidance loads with the first constraint
         constraint = params.structured_outputs
         compiler.compile(constraint)
-        return lambda: compiler.matcher(constraint, params.max_tokens)
+
+        def attach(seq: Sequence) -> None:
+            self.states[seq] = compiler.matcher(constraint, params.max_tokens)
+
+        return attach
 
 
-_grammar = attrgetter("grammar")  # a GrammarState (truthy) or None
+class GrammarPostprocessor:
+    """Takes the constrained sequences' rows out of a step (one row each: they never draft), samples them under
+    the tokens their grammars allow and advances each grammar by the token its sequence appends."""
 
-
-class GrammarMasker:
-    """The tokens each structured-output sequence's grammar allows next, in the sampler's rows."""
+    def __init__(self, engine: Engine, states: States[Sequence, GrammarState]) -> None:
+        self.engine, self.states = engine, states
 
     def acts_on(self, step: Step) -> bool:
-        return any(map(_grammar, step.seqs))  # a C loop: every step of every engine asks
+        return bool(self.states) and any(map(self.states.__contains__, step.seqs))
 
     def __call__(self, step: Step) -> None:
-        if self.acts_on(step):
-            step.grammar = grammar_mask(step)
-
-
-def grammar_mask(step: Step) -> GrammarMask:
-    rows, states, left = [], [], []
-    for seq, span in step.spans():
-        if seq.grammar is not None:
-            rows.append(span.start)
-            states.append(seq.grammar)
-            left.append(seq.max_len - len(seq.token_ids))
-    return GrammarMask(rows, fill_bitmask(states, left))
+        if not self.states:
+            return
+        seqs, rows = step.take(self.states.__contains__)
+        if not seqs:
+            return
+        engine, states = self.engine, [self.states[seq] for seq in seqs]
+        mask = GrammarMask(list(range(len(seqs))), fill_bitmask(states, [seq.max_len - len(seq.token_ids)
+                                                                         for seq in seqs]))
+        out = engine.sampler(step.logits[engine.device_rows(rows)], seqs, mask)
+        logprobs = out.logprobs or [None] * len(seqs)
+        for seq, state, token, token_logprobs in zip(seqs, states, out.token_ids, logprobs, strict=True):
+            if state.advance(token):
+                seq.append(token, token_logprobs, last=state.complete)
+            else:
+                seq.refuse(token, token_logprobs,
+                           f"token {token} does not fit the structured output's grammar: {state.error}")
+            if seq.finished:
+                del self.states[seq]
+                engine.finish(seq)
