@@ -57,16 +57,16 @@ def main() -> None:
     engine = llm.engine
     fill_ms: list[float] = []
     bitmasks: list[torch.Tensor] = []
-    fill = plug.grammar_mask
+    fill = plug.fill_bitmask
 
-    def timed_fill(step):
+    def timed_fill(states, tokens_left):
         start = time.perf_counter()
-        mask = fill(step)
+        bitmask = fill(states, tokens_left)
         fill_ms.append(1e3 * (time.perf_counter() - start))
-        bitmasks.append(mask.bitmask)
-        return mask
+        bitmasks.append(bitmask)
+        return bitmask
 
-    plug.grammar_mask = timed_fill  # what GrammarMasker calls in a step with a grammar
+    plug.fill_bitmask = timed_fill  # what GrammarPostprocessor calls in a step with a grammar
     modes = {"none": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0, ignore_eos=True),
              "json schema": SamplingParams(max_tokens=args.steps + 2, temperature=1.0, seed=0,
                                            structured_outputs=StructuredOutputsParams(json=SCHEMA))}

@@ -84,10 +84,10 @@ def run_engine(path: Path, mode: str, prompts: list[list[int]], device: str) -> 
         seen: dict[int, list[torch.Tensor]] = defaultdict(list)
         sampler = llm.engine.sampler
 
-        def recording(logits, rows, grammar=None):
+        def recording(logits, rows, bitmask=None):
             for seq, row in zip(rows, logits, strict=True):
                 seen[seq.request_id].append(row.float())
-            return sampler(logits, rows, grammar)
+            return sampler(logits, rows, bitmask)
 
         llm.engine.sampler = recording
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))

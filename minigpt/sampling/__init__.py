@@ -12,7 +12,6 @@ from minigpt.sampling.generator import gumbel_argmax, gumbel_noise, row_keys
 from minigpt.sampling.params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 from minigpt.sampling.processors import SamplingRow
 from minigpt.sampling.sampler import (
-    GrammarMask,
     Sampler,
     SamplerOutput,
     TokenLogprobs,
@@ -23,7 +22,6 @@ from minigpt.sampling.structured import StructuredOutputsParams
 
 __all__ = [
     "GREEDY_BELOW",
-    "GrammarMask",
     "MAX_LOGPROBS",
     "Sampler",
     "SamplerOutput",

@@ -21,13 +21,6 @@ from minigpt.sampling.params import MAX_LOGPROBS, SamplingParams, biased, is_int
 from minigpt.sampling.processors import SamplingRow, bias, on_rows, penalise, suppress, tensor_like, warp
 
 
-class GrammarMask(NamedTuple):
-    """The tokens a grammar allows each constrained row of a batch: int32 bitmask [len(rows), words]."""
-
-    rows: list[int]
-    bitmask: Tensor
-
-
 class TokenLogprobs(NamedTuple):
     """Log-probability of one token and its `k` most likely alternatives {token id: logprob}."""
 
@@ -54,10 +47,11 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self._maskable_eos = {i for i in self.eos_token_ids if i < self.vocab_limit}
 
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None
                  ) -> SamplerOutput:
-        """logits: [len(rows), vocab], any float dtype."""
-        tokens, batch = self._draw(logits, rows, grammar, 0)
+        """logits: [len(rows), vocab], any float dtype; `bitmask`: int32 [len(rows), words], the tokens each row
+        may take (a grammar's), bit j of word i token 32 i + j."""
+        tokens, batch = self._draw(logits, rows, bitmask, 0)
         out = SamplerOutput(tokens.tolist())
         asked = [] if batch is None else [i for i, p in enumerate(batch.params) if p.logprobs is not None]
         if asked:
@@ -75,13 +69,13 @@ class Sampler:
             raise ValueError("penalties count the tokens drawn before: draw a penalised row with ahead=0")
         return self._draw(logits, rows, None, ahead)[0]
 
-    def _draw(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None, ahead: int
+    def _draw(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None, ahead: int
               ) -> tuple[Tensor, _Batch | None]:
-        if grammar is None and all(row.params.argmax_only for row in rows):
+        if bitmask is None and all(row.params.argmax_only for row in rows):
             _check_shape(logits, rows)
             # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
             return argmax(logits[:, : self.vocab_limit].float()), None
-        batch = self._batch(logits, rows, grammar, ahead)
+        batch = self._batch(logits, rows, bitmask, ahead)
         sampled = batch.sampled
         x = self._process(batch)
         seeds, steps = [row.seed for row in rows], [len(row.output_token_ids) + ahead for row in rows]
@@ -93,22 +87,22 @@ class Sampler:
             tokens[idx] = gumbel_argmax(x[idx], [seeds[i] for i in sampled], [steps[i] for i in sampled])
         return tokens, batch
 
-    def process(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None = None) -> Tensor:
+    def process(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None = None) -> Tensor:
         """The fp32 logits [len(rows), vocab_limit] each row draws from (greedy rows: its argmax), out of place."""
-        return self._process(self._batch(logits, rows, grammar, 0))
+        return self._process(self._batch(logits, rows, bitmask, 0))
 
-    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None, ahead: int
+    def _batch(self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: Tensor | None, ahead: int
                ) -> _Batch:
         _check_shape(logits, rows)
         params = [row.params for row in rows]
         return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row, ahead) for row in rows],
                       any(penalised(p) for p in params), any(biased(p) for p in params),
-                      [i for i, p in enumerate(params) if not p.greedy], grammar)
+                      [i for i, p in enumerate(params) if not p.greedy], bitmask)
 
     def _process(self, batch: _Batch) -> Tensor:
         x = batch.logits.float()
-        if batch.grammar is not None:
-            x = _grammar_masked(x, batch.grammar)
+        if batch.bitmask is not None:
+            x = apply_bitmask(x, batch.bitmask)
         if batch.biased:
             x = bias(x, batch.params)
         if batch.penalised:
@@ -137,14 +131,7 @@ class _Batch(NamedTuple):
     penalised: bool
     biased: bool  # some row has a logit_bias or allowed_token_ids
     sampled: list[int]  # the rows that are not greedy
-    grammar: GrammarMask | None
-
-
-def _grammar_masked(x: Tensor, grammar: GrammarMask) -> Tensor:
-    if grammar.rows == list(range(x.shape[0])):
-        return apply_bitmask(x, grammar.bitmask)
-    idx = tensor_like(grammar.rows, torch.int64, x)
-    return x.index_put((idx,), apply_bitmask(x[idx], grammar.bitmask))
+    bitmask: Tensor | None  # int32 [len(rows), words]: the tokens each row may take
 
 
 def argmax(x: Tensor) -> Tensor:

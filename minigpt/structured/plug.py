@@ -9,7 +9,7 @@ from collections.abc import Callable
 from minigpt.engine.engine import Engine
 from minigpt.engine.seams import Step
 from minigpt.engine.sequence import Sequence
-from minigpt.sampling import GrammarMask, SamplingParams
+from minigpt.sampling import SamplingParams
 from minigpt.structured.grammar import GrammarState, compiler_for, fill_bitmask
 from minigpt.tokenizer.tokenizer import Tokenizer
 
@@ -39,8 +39,9 @@ class Grammars:
 
 
 class GrammarPostprocessor:
-    """Takes the constrained sequences' rows out of a step (one row each: they never draft), samples them under
-    the tokens their grammars allow and advances each grammar by the token its sequence appends."""
+    """Takes the constrained sequences' rows out of a step (one row each: the speculator drafts none for a
+    structured output), samples them under the tokens their grammars allow and advances each grammar by the
+    token its sequence appends."""
 
     def __init__(self, engine: Engine, states: States[Sequence, GrammarState]) -> None:
         self.engine, self.states = engine, states
@@ -55,9 +56,8 @@ class GrammarPostprocessor:
         if not seqs:
             return
         engine, states = self.engine, [self.states[seq] for seq in seqs]
-        mask = GrammarMask(list(range(len(seqs))), fill_bitmask(states, [seq.max_len - len(seq.token_ids)
-                                                                         for seq in seqs]))
-        out = engine.sampler(step.logits[engine.device_rows(rows)], seqs, mask)
+        bitmask = fill_bitmask(states, [seq.max_len - len(seq.token_ids) for seq in seqs])
+        out = engine.sampler(step.logits[engine.device_rows(rows)], seqs, bitmask)
         logprobs = out.logprobs or [None] * len(seqs)
         for seq, state, token, token_logprobs in zip(seqs, states, out.token_ids, logprobs, strict=True):
             if state.advance(token):
