@@ -36,8 +36,8 @@ class Step:
             yield seq, slice(row, row + n)
             row += n
 
-    def take(self, claim: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[int]]:
-        """Take out the sequences `claim` picks; returns them and their rows."""
+    def take(self, claim: Callable[[Sequence], object]) -> tuple[list[Sequence], list[int]]:
+        """Take out the sequences `claim` picks (a truthy answer); returns them and their rows."""
         taken: tuple[list[Sequence], list[int]] = ([], [])
         kept: tuple[list[Sequence], list[int]] = ([], [])
         for seq, rows in self.spans():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from operator import attrgetter
 
 from minigpt.engine.engine import Engine
 from minigpt.engine.seams import Step
@@ -13,7 +14,8 @@ from minigpt.sampling import SamplingParams
 from minigpt.structured.grammar import GrammarState, compiler_for, fill_bitmask
 from minigpt.tokenizer.tokenizer import Tokenizer
 
-States = weakref.WeakKeyDictionary  # Sequence -> GrammarState: an aborted sequence's state goes with it
+States = weakref.WeakKeyDictionary  # Sequence -> GrammarState: one ended elsewhere (aborted, failed) goes with it
+_constraint = attrgetter("params.structured_outputs")  # a sequence's, or None: its state is in States
 
 
 def plug_structured_outputs(engine: Engine) -> None:
@@ -47,12 +49,12 @@ class GrammarPostprocessor:
         self.engine, self.states = engine, states
 
     def acts_on(self, step: Step) -> bool:
-        return bool(self.states) and any(map(self.states.__contains__, step.seqs))
+        return bool(self.states) and any(map(_constraint, step.seqs))  # C loops: every step of every engine asks
 
     def __call__(self, step: Step) -> None:
-        if not self.states:
+        if not self.acts_on(step):
             return
-        seqs, rows = step.take(self.states.__contains__)
+        seqs, rows = step.take(_constraint)
         if not seqs:
             return
         engine, states = self.engine, [self.states[seq] for seq in seqs]
