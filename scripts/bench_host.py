@@ -3,6 +3,7 @@
     python scripts/bench_host.py                          # batches 1, 64, 256
     python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
     python scripts/bench_host.py --penalties              # greedy with repetition/presence/frequency penalties
+    python scripts/bench_host.py --churn                  # staggered lengths, finished requests replaced
 
 A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (`--vocab`; random weights, written to a temporary
 folder) keeps the model's own time small; the time inside the runner's `run` is measured and taken out. The
@@ -19,6 +20,7 @@ prints the wall time a step with `overlap` off and on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
@@ -38,6 +40,8 @@ from minigpt.tokenizer.tokenizer import gpt2_vocab_files
 
 PROMPT_LEN = 8
 WARM_STEPS = 8
+CHURN_PROMPT_LENS, CHURN_MAX_TOKENS = range(8, 41), range(16, 80)  # --churn: cycled through, staggered
+CHURN_NUMBERS = itertools.count()  # --churn's requests, numbered across repetitions
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)  # --penalties
 
 
@@ -89,10 +93,42 @@ def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, pe
     return wall
 
 
-def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int, penalties: bool
+def churn_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, penalties: bool = False) -> float:
+    """Seconds inside `steps` engine steps of `batch` requests of staggered lengths, each finished one replaced
+    at once (outside the timing), after enough steps for the lengths to spread."""
+    engine = llm.engine
+
+    def new_request():
+        i = next(CHURN_NUMBERS)
+        params = SamplingParams(max_tokens=CHURN_MAX_TOKENS[13 * i % len(CHURN_MAX_TOKENS)], ignore_eos=True,
+                                temperature=0.0, **(PENALTIES if penalties else {}))
+        length = CHURN_PROMPT_LENS[7 * i % len(CHURN_PROMPT_LENS)]
+        # no prompt starts as another does: the prefix cache finds nothing to share
+        prompt = [i % 1000, i // 1000 % 1000, *((7 * i + j) % 1000 for j in range(length - 2))]
+        request = engine.make_request(prompt, params)
+        engine.add(request)
+        return request
+
+    live = [new_request() for _ in range(batch)]
+    seconds = 0.0
+    for step in range(CHURN_MAX_TOKENS[-1] + steps):
+        if step == CHURN_MAX_TOKENS[-1]:
+            before_timing()
+        start = time.perf_counter()
+        engine.step()
+        if step >= CHURN_MAX_TOKENS[-1]:
+            seconds += time.perf_counter() - start
+        live = [request if not request.finished else new_request() for request in live]
+    for request in live:
+        engine.abort(request)
+    return seconds
+
+
+def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int, penalties: bool, churn: bool = False
             ) -> tuple[float, float, float]:
     """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
-    wall = timed_steps(llm, batch, steps, lambda: (model.take(), sampler.take()), penalties)
+    timed = churn_steps if churn else timed_steps
+    wall = timed(llm, batch, steps, lambda: (model.take(), sampler.take()), penalties)
     in_model = model.take()
     return (wall - in_model) / steps, in_model / steps, sampler.take() / steps
 
@@ -149,7 +185,7 @@ def host_times(llm_args: dict, batches: list[int], args: argparse.Namespace) -> 
     model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
     results = {}
     for batch in batches:
-        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps, args.penalties)
+        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps, args.penalties, args.churn)
                 for _ in range(args.repeats)]
         host = sorted(h * 1e6 for h, _, _ in runs)
         model = statistics.median(m * 1e6 for _, m, _ in runs)
@@ -172,27 +208,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=1024, help="the checkpoint's vocabulary (gpt2's: 50257)")
     parser.add_argument("--penalties", action="store_true",
                         help=f"greedy with penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())})")
+    parser.add_argument("--churn", action="store_true",
+                        help="staggered lengths, each finished request replaced: steps that mix prompts and decodes")
     parser.add_argument("--device-us", type=float, default=None,
                         help="measure overlap with a device stand-in taking this long a step")
     args = parser.parse_args(argv)
+    if args.churn and args.device_us is not None:
+        parser.error("--churn measures host time; --device-us measures overlap on steps of equal lengths")
     batches = [int(b) for b in args.batches.split(",")]
     logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
     threads = args.threads or torch.get_num_threads()  # the engine gives torch's count back when it closes
     with tempfile.TemporaryDirectory() as folder:
         llm_args = dict(model=str(tiny_checkpoint(Path(folder), args.vocab)), max_num_seqs=max(batches),
                         num_threads=args.threads,
-                        kv_cache_tokens=max(batches) * 2 * (PROMPT_LEN + WARM_STEPS + args.steps + 16))
+                        kv_cache_tokens=max(batches) * 2 * max(PROMPT_LEN + WARM_STEPS + args.steps + 16,
+                                                               CHURN_PROMPT_LENS[-1] + CHURN_MAX_TOKENS[-1]))
         if args.device_us is not None:
             results = overlap_walls(llm_args, batches, args)
         else:
             results = host_times(llm_args, batches, args)
     described = cpu_class.describe()
     print(f"CPU class {described}; torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}; "
-          f"medians of {args.repeats} x {args.steps} steps")
+          f"medians of {args.repeats} x {args.steps} steps{' (churn)' * args.churn}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu_class": described, "threads": threads, "steps": args.steps,
-                                         "repeats": args.repeats, "batches": results}, indent=2) + "\n")
+                                         "repeats": args.repeats, "churn": args.churn, "batches": results},
+                                        indent=2) + "\n")
     return 0
 
 

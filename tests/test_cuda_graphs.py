@@ -73,7 +73,8 @@ def with_graphs(llm: LLM, max_batch: int) -> Counter:
     counter of the batch sizes replayed."""
     engine = llm.engine
     runner = engine.runner
-    scratch = engine.blocks.free.pop()  # a block no sequence will own
+    scratch = engine.blocks.num_blocks - 1  # a block no sequence will own: the last one reused
+    engine.blocks.free.remove(scratch)
     graphs = DecodeGraphs(runner.forward, capture_sizes(max_batch), -(-engine.model_config.n_positions // 8),
                           scratch, 8, runner.device, capture=replay_by_calling)
     graphs.capture_all()
@@ -95,7 +96,7 @@ def run(path, max_batch: int | None, logprobs: int = 2):
         if max_batch:
             scratch = llm.engine.runner.forward_path.scratch_block
             pool[:, :, scratch] = 0  # padding rows' block
-            llm.engine.blocks.free.append(scratch)
+            llm.engine.blocks.free.put(scratch, cached=False)
         assert_all_free(llm)
     return [o.token_ids for o in outs], [o.logprobs for o in outs], pool, replayed
 

@@ -3,7 +3,7 @@ full blocks by chained hash, and copy-on-write for blocks that forked tables sha
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -52,6 +52,35 @@ class KVPool:
         return self.kv.numel() * self.kv.element_size()
 
 
+class FreeBlocks:
+    """The free blocks in the order they are reused: those holding nothing first (the last freed first), then
+    those still holding tokens the prefix cache can match (the longest free first). A cached one leaves in
+    O(1) when its prefix is matched again."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # in the order they were freed
+
+    def __len__(self) -> int:
+        return len(self._empty) + len(self._cached)
+
+    def take(self) -> int:
+        return self._empty.popleft() if self._empty else self._cached.popitem(last=False)[0]
+
+    def put(self, block: int, cached: bool) -> None:
+        if cached:
+            self._cached[block] = None
+        else:
+            self._empty.appendleft(block)
+
+    def remove(self, block: int) -> None:
+        """Take `block` out: at once when it is cached (its tokens wanted again), else by a scan."""
+        if block in self._cached:
+            del self._cached[block]
+        else:
+            self._empty.remove(block)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  generated_apart: bool = False) -> None:
@@ -60,7 +89,7 @@ class BlockManager:
         # a block holding generated positions matches only where they are generated again (a preempted sequence's
         # recomputation): for runners whose prompt rows attend by another kernel than generated ones
         self.generated_apart = generated_apart
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free = FreeBlocks(num_blocks)
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -75,7 +104,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _take(self) -> int:
-        block = self.free.popleft()
+        block = self.free.take()
         self._forget(block)
         self.ref_counts[block] = 1
         return block
@@ -88,7 +117,7 @@ class BlockManager:
 
     def _share(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            self.free.remove(block)  # revive a freed block that still holds its tokens
+            self.free.remove(block)  # a freed block that still holds its tokens
         self.ref_counts[block] += 1
 
     def match_prefix(self, token_ids: Sequence[int], prompt_length: int) -> list[int]:
@@ -175,8 +204,5 @@ class BlockManager:
         for block in reversed(block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                if self.block_hash[block] is None:
-                    self.free.appendleft(block)  # reuse uncached blocks first
-                else:
-                    self.free.append(block)
+                self.free.put(block, cached=self.block_hash[block] is not None)
         block_table.clear()
