@@ -4,6 +4,7 @@
     python scripts/bench_host.py --batches 1,256 --steps 100 --repeats 7 --json results/host.json
     python scripts/bench_host.py --penalties              # greedy with repetition/presence/frequency penalties
     python scripts/bench_host.py --churn                  # staggered lengths, finished requests replaced
+    python scripts/bench_host.py --churn --same-prompts   # ... each repetition's prompts met in the prefix cache
 
 A 1-layer, 64-dim checkpoint with a 1,024-token vocabulary (`--vocab`; random weights, written to a temporary
 folder) keeps the model's own time small; the time inside the runner's `run` is measured and taken out. The
@@ -93,13 +94,16 @@ def timed_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, pe
     return wall
 
 
-def churn_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, penalties: bool = False) -> float:
+def churn_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, penalties: bool = False,
+                same_prompts: bool = False) -> float:
     """Seconds inside `steps` engine steps of `batch` requests of staggered lengths, each finished one replaced
-    at once (outside the timing), after enough steps for the lengths to spread."""
+    at once (outside the timing), after enough steps for the lengths to spread. `same_prompts`: the prompts of
+    the call before, whose blocks the prefix cache still holds."""
     engine = llm.engine
+    numbers = itertools.count() if same_prompts else CHURN_NUMBERS
 
     def new_request():
-        i = next(CHURN_NUMBERS)
+        i = next(numbers)
         params = SamplingParams(max_tokens=CHURN_MAX_TOKENS[13 * i % len(CHURN_MAX_TOKENS)], ignore_eos=True,
                                 temperature=0.0, **(PENALTIES if penalties else {}))
         length = CHURN_PROMPT_LENS[7 * i % len(CHURN_PROMPT_LENS)]
@@ -124,13 +128,19 @@ def churn_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, pe
     return seconds
 
 
-def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, steps: int, penalties: bool, churn: bool = False
+def measure(llm: LLM, model: Clock, sampler: Clock, batch: int, args: argparse.Namespace
             ) -> tuple[float, float, float]:
-    """(host, model, sampler) seconds per decode step of `batch` sequences; host includes the sampler's."""
-    timed = churn_steps if churn else timed_steps
-    wall = timed(llm, batch, steps, lambda: (model.take(), sampler.take()), penalties)
+    """(host, model, sampler) seconds per step of `batch` sequences; host includes the sampler's."""
+    def reset() -> None:
+        model.take()
+        sampler.take()
+
+    if args.churn:
+        wall = churn_steps(llm, batch, args.steps, reset, args.penalties, args.same_prompts)
+    else:
+        wall = timed_steps(llm, batch, args.steps, reset, args.penalties)
     in_model = model.take()
-    return (wall - in_model) / steps, in_model / steps, sampler.take() / steps
+    return (wall - in_model) / args.steps, in_model / args.steps, sampler.take() / args.steps
 
 
 class DeviceStandIn(HostCopy):
@@ -185,8 +195,7 @@ def host_times(llm_args: dict, batches: list[int], args: argparse.Namespace) -> 
     model_clock, sampler_clock = Clock(llm.engine.runner, "run"), Clock(llm.engine, "sampler")
     results = {}
     for batch in batches:
-        runs = [measure(llm, model_clock, sampler_clock, batch, args.steps, args.penalties, args.churn)
-                for _ in range(args.repeats)]
+        runs = [measure(llm, model_clock, sampler_clock, batch, args) for _ in range(args.repeats)]
         host = sorted(h * 1e6 for h, _, _ in runs)
         model = statistics.median(m * 1e6 for _, m, _ in runs)
         sampler = statistics.median(s * 1e6 for _, _, s in runs)
@@ -210,30 +219,37 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"greedy with penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())})")
     parser.add_argument("--churn", action="store_true",
                         help="staggered lengths, each finished request replaced: steps that mix prompts and decodes")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="with --churn: each repetition sends the last one's prompts again (prefix cache hits)")
     parser.add_argument("--device-us", type=float, default=None,
                         help="measure overlap with a device stand-in taking this long a step")
     args = parser.parse_args(argv)
     if args.churn and args.device_us is not None:
         parser.error("--churn measures host time; --device-us measures overlap on steps of equal lengths")
+    if args.same_prompts and not args.churn:
+        parser.error("--same-prompts goes with --churn")
     batches = [int(b) for b in args.batches.split(",")]
     logging.getLogger("minigpt").setLevel(logging.ERROR)  # the tiny vocabulary has no EOS id: its warning
     threads = args.threads or torch.get_num_threads()  # the engine gives torch's count back when it closes
     with tempfile.TemporaryDirectory() as folder:
         llm_args = dict(model=str(tiny_checkpoint(Path(folder), args.vocab)), max_num_seqs=max(batches),
                         num_threads=args.threads,
-                        kv_cache_tokens=max(batches) * 2 * max(PROMPT_LEN + WARM_STEPS + args.steps + 16,
-                                                               CHURN_PROMPT_LENS[-1] + CHURN_MAX_TOKENS[-1]))
+                        kv_cache_tokens=max(batches) * 2 * (
+                            CHURN_PROMPT_LENS[-1] + CHURN_MAX_TOKENS[-1] if args.churn
+                            else PROMPT_LEN + WARM_STEPS + args.steps + 16))
         if args.device_us is not None:
             results = overlap_walls(llm_args, batches, args)
         else:
             results = host_times(llm_args, batches, args)
     described = cpu_class.describe()
+    traffic = " (churn, the same prompts again)" if args.same_prompts else " (churn)" * args.churn
     print(f"CPU class {described}; torch {torch.__version__}, {threads} thread{'s' * (threads != 1)}; "
-          f"medians of {args.repeats} x {args.steps} steps{' (churn)' * args.churn}")
+          f"medians of {args.repeats} x {args.steps} steps{traffic}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu_class": described, "threads": threads, "steps": args.steps,
-                                         "repeats": args.repeats, "churn": args.churn, "batches": results},
+                                         "repeats": args.repeats, "churn": args.churn,
+                                         "same_prompts": args.same_prompts, "batches": results},
                                         indent=2) + "\n")
     return 0
 

@@ -43,9 +43,8 @@ def test_free_blocks_reuse_empty_ones_first_then_the_longest_cached():
     free.put(3, cached=True)
     free.put(1, cached=False)
     assert len(free) == 4
-    free.remove(3)  # a cached block matched again
-    free.remove(0)  # an empty one, by a scan
-    assert [free.take() for _ in range(2)] == [1, 2] and len(free) == 0
+    free.revive(3)  # a cached block matched again
+    assert [free.take() for _ in range(3)] == [1, 0, 2] and len(free) == 0
 
 
 def test_a_revived_cached_block_leaves_the_free_list():

@@ -16,6 +16,7 @@ from minigpt import LLM, SamplingParams
 from minigpt.cli import add_engine_arguments, engine_args_from
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from minigpt.engine.kv_cache import FreeBlocks
 
 from conftest import assert_all_free, hf_greedy, hf_model, needs_cuda, random_prompts
 
@@ -73,8 +74,8 @@ def with_graphs(llm: LLM, max_batch: int) -> Counter:
     counter of the batch sizes replayed."""
     engine = llm.engine
     runner = engine.runner
-    scratch = engine.blocks.num_blocks - 1  # a block no sequence will own: the last one reused
-    engine.blocks.free.remove(scratch)
+    scratch = engine.blocks.num_blocks - 1
+    engine.blocks.free = FreeBlocks(scratch)  # every block but the last: one no sequence will own
     graphs = DecodeGraphs(runner.forward, capture_sizes(max_batch), -(-engine.model_config.n_positions // 8),
                           scratch, 8, runner.device, capture=replay_by_calling)
     graphs.capture_all()

@@ -53,13 +53,13 @@ class KVPool:
 
 
 class FreeBlocks:
-    """The free blocks in the order they are reused: those holding nothing first (the last freed first), then
-    those still holding tokens the prefix cache can match (the longest free first). A cached one leaves in
-    O(1) when its prefix is matched again."""
+    """The free blocks in the order they are reused: those holding nothing the prefix cache can match first
+    (the last freed first), then those it can (the longest free first). A cached one leaves in O(1) when its
+    prefix is matched again."""
 
     def __init__(self, num_blocks: int) -> None:
         self._empty: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # in the order they were freed
+        self._cached: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._empty) + len(self._cached)
@@ -73,12 +73,9 @@ class FreeBlocks:
         else:
             self._empty.appendleft(block)
 
-    def remove(self, block: int) -> None:
-        """Take `block` out: at once when it is cached (its tokens wanted again), else by a scan."""
-        if block in self._cached:
-            del self._cached[block]
-        else:
-            self._empty.remove(block)
+    def revive(self, block: int) -> None:
+        """Take out a cached block whose tokens are wanted again."""
+        del self._cached[block]
 
 
 class BlockManager:
@@ -117,7 +114,7 @@ class BlockManager:
 
     def _share(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            self.free.remove(block)  # a freed block that still holds its tokens
+            self.free.revive(block)  # a freed block that still holds its tokens
         self.ref_counts[block] += 1
 
     def match_prefix(self, token_ids: Sequence[int], prompt_length: int) -> list[int]:
