@@ -114,13 +114,14 @@ def churn_steps(llm: LLM, batch: int, steps: int, before_timing=lambda: None, pe
         return request
 
     live = [new_request() for _ in range(batch)]
+    spread = CHURN_MAX_TOKENS[-1]  # untimed steps, the longest output's: for the lengths to spread
     seconds = 0.0
-    for step in range(CHURN_MAX_TOKENS[-1] + steps):
-        if step == CHURN_MAX_TOKENS[-1]:
+    for step in range(spread + steps):
+        if step == spread:
             before_timing()
         start = time.perf_counter()
         engine.step()
-        if step >= CHURN_MAX_TOKENS[-1]:
+        if step >= spread:
             seconds += time.perf_counter() - start
         live = [request if not request.finished else new_request() for request in live]
     for request in live:

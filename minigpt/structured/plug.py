@@ -55,8 +55,6 @@ class GrammarPostprocessor:
         if not self.acts_on(step):
             return
         seqs, rows = step.take(_constraint)
-        if not seqs:
-            return
         engine, states = self.engine, [self.states[seq] for seq in seqs]
         bitmask = fill_bitmask(states, [seq.max_len - len(seq.token_ids) for seq in seqs])
         out = engine.sampler(step.logits[engine.device_rows(rows)], seqs, bitmask)
