@@ -45,7 +45,8 @@ def test_pure_decode_step_equals_the_paged_step(tiny_checkpoint, dtype, kv_cache
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         engine.step()  # prefills every prompt and samples its first token
         for _ in range(2):  # then decode-only steps: the pure one into a copy of the pool, the eager one after
-            inputs = engine.runner.prepare(engine.scheduler.schedule().chunks)
+            batch = engine.scheduler.schedule()
+            inputs = engine.runner.prepare(batch.chunks, batch.decodes)
             meta = inputs.meta
             assert not meta.prefills
             pool = engine.runner.pool.kv.clone()
@@ -75,7 +76,8 @@ def test_compiled_prompt_steps_equal_the_eager_ones(tiny_checkpoint):
         for prompt in random_prompts(LENGTHS):
             engine.add(engine.make_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         runner = engine.runner
-        inputs = runner.prepare(engine.scheduler.schedule().chunks)
+        batch = engine.scheduler.schedule()
+        inputs = runner.prepare(batch.chunks, batch.decodes)
         assert len(inputs.meta.prefills) == len(LENGTHS)
         compiled = runner.forward_path.halves
         assert all(isinstance(half, LayerProgram) for half in compiled)

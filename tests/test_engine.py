@@ -61,8 +61,8 @@ def test_batched_greedy_equals_transformers(tiny_checkpoint, expected, engine_ar
         runner, in_one_call = llm.engine.runner, []
         runner.batched_prefill, prepare = batched_prefill, runner.prepare
 
-        def recording(chunks, ahead=None):
-            inputs = prepare(chunks, ahead)
+        def recording(chunks, decodes=(), ahead=None):
+            inputs = prepare(chunks, decodes, ahead)
             in_one_call.append(inputs.meta.num_fresh)
             return inputs
 

@@ -44,7 +44,7 @@ class AsyncLLM:
         self.config = EngineConfig.from_kwargs("AsyncLLM", engine_args)
         self.engine = build_engine(model, self.config)
         self._metrics = MetricsCollector(self.engine.blocks.num_blocks)
-        self.engine.on_step = lambda batch, _, num_tokens: self._metrics.record_step(len(batch.chunks), num_tokens)
+        self.engine.on_step = lambda batch, _, num_tokens: self._metrics.record_step(batch.num_seqs, num_tokens)
         self._wakeup = threading.Condition()
         self._inbox: deque[tuple[Command, RequestHandle]] = deque()
         self._closed = False

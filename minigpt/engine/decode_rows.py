@@ -1,10 +1,11 @@
 """The decode rows kept from step to step (a persistent batch): a decoding sequence keeps its row while it decodes,
-and its row of the block tables is written again only when its blocks change, so a steady step writes none."""
+and its row of the block tables (and of their slots) is written again only where its blocks change (a new block: one
+entry), so a steady step writes none."""
 
 from __future__ import annotations
 
 from itertools import compress
-from operator import attrgetter, ne
+from operator import add, attrgetter, ne
 
 import torch
 
@@ -12,47 +13,73 @@ from minigpt.engine.sequence import Sequence
 
 
 class DecodeRows:
-    """Block tables [rows, max_blocks] int32 on the device; row i is `seqs[i]`'s."""
+    """Block tables [rows, max_blocks] int32 on the device, and the slot of each of their positions [rows,
+    max_blocks * block_size] int64; row i is `seqs[i]`'s."""
 
-    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
-        self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.in_block = torch.arange(block_size, device=device)
+        self._allocate(max_rows, max_blocks, device)
         self.seqs: list[Sequence] = []
         self.written: list[list[int] | None] = []  # each row's table as written there; None: to write
 
+    def _allocate(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(max_rows, max_blocks * len(self.in_block), dtype=torch.int64, device=device)
+        # flat views: index_select and index_copy_ on them are the cheapest ops that read and write entries
+        self._table_entries, self._slot_entries = self.tables.view(-1), self.slots.view(-1, len(self.in_block))
+
     def arrange(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
-        """`decodes` in row order (a sequence that left gives its row to the last row's), the rows whose tables
-        changed, and those tables padded to the width, flat: the caller sends them with its step's copy to `write`."""
+        """`decodes` in row order (a sequence that left gives its row to the last row's), and the changed table
+        entries (flat indices: a grown table's new blocks, else its whole row) with their blocks, for `write`."""
+        seqs, written = self.seqs, self.written
+        if seqs != decodes:  # a loop in C; equal: the same rows, in their order, as the last step
+            self._rearrange(decodes)
+        stale = list(compress(range(len(seqs)), map(ne, written, map(attrgetter("block_table"), seqs))))
+        width = self.tables.shape[1]
+        entries: list[int] = []
+        values: list[int] = []
+        for row in stale:
+            old, table = written[row], seqs[row].block_table
+            start = len(old) if old is not None and table[: len(old)] == old else 0
+            new = table[start:] if start else table + [0] * (width - len(table))
+            entries += range(row * width + start, row * width + start + len(new))
+            values += new
+            written[row] = list(table)
+        return list(seqs), entries, values
+
+    def _rearrange(self, decodes: list[Sequence]) -> None:
         wanted = set(decodes)
         seqs, written = self.seqs, self.written
         if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten
-            self.tables = self.tables.new_zeros(2 * len(wanted), self.tables.shape[1])
+            self._allocate(2 * len(wanted), self.tables.shape[1], self.tables.device)
             written[:] = [None] * len(written)
-        if len(seqs) != len(wanted) or not wanted.issuperset(seqs):  # else: the same rows as the last step
-            row = 0
-            while row < len(seqs):
-                if seqs[row] in wanted:
-                    row += 1
-                    continue
-                seqs[row], written[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
-                seqs.pop()
-                written.pop()
-            if len(seqs) < len(wanted):
-                kept = set(seqs)
-                for seq in decodes:
-                    if seq not in kept:
-                        seqs.append(seq)
-                        written.append(None)
-        stale = list(compress(range(len(seqs)), map(ne, written, map(attrgetter("block_table"), seqs))))
-        width = self.tables.shape[1]
-        tables = []
-        for row in stale:
-            written[row] = list(seqs[row].block_table)
-            tables += written[row] + [0] * (width - len(written[row]))
-        return list(seqs), stale, tables
+        row = 0
+        while row < len(seqs):
+            if seqs[row] in wanted:
+                row += 1
+                continue
+            seqs[row], written[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
+            seqs.pop()
+            written.pop()
+        if len(seqs) < len(wanted):
+            kept = set(seqs)
+            for seq in decodes:
+                if seq not in kept:
+                    seqs.append(seq)
+                    written.append(None)
 
-    def write(self, rows: torch.Tensor, tables: torch.Tensor) -> None:
-        """The rows `arrange` found changed, [len(rows)] and their tables [len(rows) * width], on the device."""
-        self.tables[rows] = tables.view(len(rows), -1).to(torch.int32)
+    def write(self, entries: torch.Tensor, blocks: torch.Tensor) -> None:
+        """The entries `arrange` found changed (flat indices into the tables) and their block ids, on the device."""
+        self._table_entries.index_copy_(0, entries, blocks.to(torch.int32))
+        self._slot_entries.index_copy_(0, entries, blocks[:, None] * len(self.in_block) + self.in_block)
+
+    def slot_indices(self, positions: list[int]) -> list[int]:
+        """Where the slots of the first len(positions) rows' positions are in `slots` seen flat."""
+        width = self.slots.shape[1]
+        return list(map(add, range(0, len(positions) * width, width), positions))
+
+    def slots_at(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.slots.view(-1).index_select(0, indices)
 
     def block_tables(self, num_rows: int) -> torch.Tensor:
         """[num_rows, the widest table's blocks] of the rows `arrange` laid out."""

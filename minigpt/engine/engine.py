@@ -86,7 +86,7 @@ class Engine:
         step, self._ahead = self._ahead, None
         if step is None:
             batch = self.scheduler.schedule()
-            if not batch.chunks:
+            if not batch.num_seqs:
                 if self.scheduler.has_work():
                     raise RuntimeError("no request fits in the KV pool; raise kv_cache_tokens")
                 return []
@@ -111,9 +111,9 @@ class Engine:
         """Launch the batch; `before`: the step whose drawn tokens it decodes."""
         self.runner.copy_blocks(batch.copies)
         if self.speculator is not None:
-            batch.chunks = self.speculator.draft(batch.chunks, self.scheduler.max_num_batched_tokens)
+            self.speculator.draft(batch, self.scheduler.max_num_batched_tokens)
         ahead = None if before is None else Ahead(before.drawn.tensor, {seq: i for i, seq in enumerate(before.seqs)})
-        inputs = self.runner.prepare(batch.chunks, ahead)
+        inputs = self.runner.prepare(batch.chunks, batch.decodes, ahead)
         step = Step(batch, inputs, self.runner.run(inputs), list(inputs.sample_seqs), list(inputs.sample_rows))
         if self.config.overlapped and self._draws_ahead(step):
             step.drawn = HostCopy(self.sampler.draw(self._sampled_logits(step), step.seqs, int(before is not None)))
@@ -124,7 +124,7 @@ class Engine:
         each sampled, no feature acting on it, nothing the sampler needs them read for."""
         inputs = step.inputs
         return (self.speculator is None and not inputs.prompt_logprob_rows
-                and len(step.seqs) == len(step.batch.chunks) == len(step.rows)
+                and len(step.seqs) == step.batch.num_seqs == len(step.rows)
                 and all(seq.params.logprobs is None and not penalised(seq.params) for seq in step.seqs)
                 and not any(feature.acts_on(step) for feature in self.postprocessors))
 
@@ -146,7 +146,9 @@ class Engine:
         """The drawn tokens read and appended, but for the sequences that finished (or were aborted) after the
         step was launched on their last token: theirs was computed for nothing."""
         tokens = step.drawn.tolist()
-        step.batch.chunks = [(seq, chunk) for seq, chunk in step.batch.chunks if not seq.finished]
+        batch = step.batch
+        batch.chunks = [(seq, chunk) for seq, chunk in batch.chunks if not seq.finished]
+        batch.decodes = [seq for seq in batch.decodes if not seq.finished]
         self._account_computed(step)
         live = [(seq, token) for seq, token in zip(step.seqs, tokens, strict=True) if not seq.finished]
         seqs = [seq for seq, _ in live]
@@ -156,18 +158,19 @@ class Engine:
 
     def _fail(self, batch: ScheduledBatch, err: Exception) -> None:
         error = f"{type(err).__name__}: {err}"
-        for seq, _ in batch.chunks:
+        seqs = batch.seqs
+        for seq in seqs:
             if not seq.finished:
                 seq.fail(error)
             self.finish(seq)
-        for request_id in {seq.request_id for seq, _ in batch.chunks}:
+        for request_id in {seq.request_id for seq in seqs}:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
                 self.abort(request, error)  # what it still runs outside this step (a beam search's other beams)
 
     def _retire(self, step: Step) -> None:
         """Forget the step's finished requests; count the step."""
-        for request_id in {seq.request_id for seq in step.updated if seq.finished}:
+        for request_id in {seq.request_id for seq in step.updated if seq.status is FINISHED}:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
                 del self.requests[request_id]
@@ -180,6 +183,10 @@ class Engine:
         full = self.blocks.block_size if self.blocks.enable_prefix_caching else None
         for seq, chunk in step.batch.chunks:
             seq.num_computed_tokens += chunk - len(seq.draft_token_ids)  # drafts count once verified
+            if full is not None and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * full:
+                self.blocks.register_full_blocks(seq)
+        for seq in step.batch.decodes:
+            seq.num_computed_tokens += 1
             if full is not None and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * full:
                 self.blocks.register_full_blocks(seq)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter, itemgetter, sub
 from typing import Protocol
 
 import torch
@@ -21,11 +23,6 @@ from minigpt.model.weights import resolve_device, resolve_dtype
 
 logger = logging.getLogger("minigpt")
 MAX_BATCHED_PREFILL = 4096  # tokens of prompts attending in one call: its mask holds the square of this
-
-
-def is_decode(seq: Sequence, chunk: int) -> bool:
-    """The one token left after a computed context (a prompt's lone token is a prefill chunk)."""
-    return chunk == 1 and seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
 
 
 def num_sample_rows(seq: Sequence) -> int:
@@ -99,7 +96,7 @@ class ModelRunner:
         self.batched_prefill = self.device.type == "cuda"
         self.forward_path: ForwardPath = EagerForward(self)
         self.decode_rows = DecodeRows(config.max_num_seqs, -(-model.config.n_positions // config.block_size),
-                                      self.device)
+                                      config.block_size, self.device)
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
@@ -128,18 +125,13 @@ class ModelRunner:
         attention = self.attention_kind(self.pool.kv, meta, self.backend, self.scales, self.upcast)
         return self.model.run(input_ids, positions, attention, logits_rows)
 
-    def prepare(self, chunks: list[tuple[Sequence, int]], ahead: Ahead | None = None) -> StepInputs:
-        """The flat step for (sequence, tokens to compute) pairs: prompt chunks first, then decodes in their
-        rows' order (`DecodeRows`). Its host values go to the device in one copy. With `ahead`, every sequence
-        decodes its token in `ahead`, one past its `token_ids`."""
+    def prepare(self, chunks: list[tuple[Sequence, int]], decodes: list[Sequence] = (),
+                ahead: Ahead | None = None) -> StepInputs:
+        """The flat step: the (sequence, tokens to compute) chunks, then the decodes in their rows' order
+        (`DecodeRows`), its host values sent in one copy. With `ahead`, each decode computes its token in `ahead`,
+        one past its `token_ids`."""
         bs = self.config.block_size
-        prefills: list[tuple[Sequence, int]] = []
-        decodes: list[Sequence] = []
-        for seq, chunk in chunks:
-            if ahead is not None or is_decode(seq, chunk):
-                decodes.append(seq)
-            else:
-                prefills.append((seq, chunk))
+        prefills = list(chunks)
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
         batched = len(fresh) > 1 and sum(fresh) <= MAX_BATCHED_PREFILL
         if batched:
@@ -170,36 +162,39 @@ class ModelRunner:
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
         num_prefill = len(ids)
-        decodes, stale_rows, stale_tables = self.decode_rows.arrange(decodes)
-        lens: list[int] = []
-        drawn = ahead is not None  # ids: rows of ahead.tokens then, replaced by their tokens on the device
-        for seq in decodes:
-            tokens = seq.token_ids
-            n = len(tokens) + drawn
-            ids.append(ahead.rows[seq] if drawn else tokens[-1])
-            lens.append(n)
-            slots.append(seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs)
-        positions += (n - 1 for n in lens)
+        decodes, table_entries, table_blocks = self.decode_rows.arrange(decodes)
+        token_ids = list(map(attrgetter("token_ids"), decodes))
+        lens = list(map(len, token_ids))
+        # ahead: rows of ahead.tokens, replaced by their tokens on the device
+        if ahead is None:
+            ids += map(itemgetter(-1), token_ids)
+        else:
+            ids += map(ahead.rows.__getitem__, decodes)
+            lens = list(map(add, lens, repeat(1)))
+        positions += map(sub, lens, repeat(1))
+        slot_indices = self.decode_rows.slot_indices(positions[num_prefill:])
         if decodes:
             sample_seqs += decodes
             sample_rows += range(len(rows), len(rows) + len(decodes))
             rows += range(num_prefill, num_prefill + len(decodes))
         prompt_tables = [seg[3] for seg in segments]
-        # one copy: ids, positions, slots, decode lengths, logits rows, the decode rows whose blocks changed and
-        # their tables, then the prompts' block tables
-        flat = to_device([*ids, *positions, *slots, *lens, *rows, *stale_rows, *stale_tables,
+        # one copy: ids, positions, prompt slots, where the decode slots are, decode lengths, logits rows, the decode
+        # tables' changed entries and their blocks, the prompts' block tables
+        flat = to_device([*ids, *positions, *slots, *slot_indices, *lens, *rows, *table_entries, *table_blocks,
                           *(b for table in prompt_tables for b in table)], torch.int64, self.device)
-        sizes = [len(ids), len(ids), len(ids), len(lens), len(rows), len(stale_rows), len(stale_tables),
-                 *map(len, prompt_tables)]
-        ids_t, positions_t, slots_t, lens_t, rows_t, stale_rows_t, stale_tables_t, *tables_t = flat.split(sizes)
+        sizes = [len(ids), len(ids), num_prefill, len(slot_indices), len(lens), len(rows), len(table_entries),
+                 len(table_blocks), *map(len, prompt_tables)]
+        ids_t, positions_t, slots_t, indices_t, lens_t, rows_t, entries_t, blocks_t, *tables_t = flat.split(sizes)
         if ahead is not None:
             ids_t = ahead.tokens[ids_t]
         tables = decode_lens = None
         if decodes:
-            if stale_rows:
-                self.decode_rows.write(stale_rows_t, stale_tables_t)
+            if table_entries:
+                self.decode_rows.write(entries_t, blocks_t)
             tables = self.decode_rows.block_tables(len(decodes))
             decode_lens = lens_t.to(torch.int32)
+            decode_slots = self.decode_rows.slots_at(indices_t)
+            slots_t = torch.cat([slots_t, decode_slots]) if num_prefill else decode_slots
         prefill_segments = [PrefillSegment(start, chunk, end, table, in_prompt)
                              for (start, chunk, end, _, in_prompt), table in zip(segments, tables_t, strict=True)]
         num_fresh = len(fresh) if batched else 0

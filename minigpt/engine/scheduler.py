@@ -17,11 +17,21 @@ from minigpt.engine.sequence import RUNNING, Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """One step's (sequence, tokens to compute) in batch order, and the (source, destination) blocks to copy."""
+    """One step: `decodes` compute their last token after a computed context, `chunks` (sequence, tokens) the
+    rest (prompts, their chunks, drafts to verify); the (source, destination) blocks to copy."""
 
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks) + len(self.decodes)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [seq for seq, _ in self.chunks] + self.decodes
 
 
 class Scheduler:
@@ -42,23 +52,27 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         has_room = self.blocks.has_room
+        chunks, decodes = batch.chunks, batch.decodes
         for seq in list(self.running):
             if seq.status is not RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or no budget left
-            uncomputed = seq.num_uncomputed_tokens
+            first = seq.num_computed_tokens
+            uncomputed = len(seq.token_ids) + len(seq.draft_token_ids) - first
             if not uncomputed:
                 continue  # a beam waiting for its siblings
             chunk = uncomputed if uncomputed <= budget else budget
-            first = seq.num_computed_tokens
             if not has_room(seq.block_table, first, first + chunk) and not self._make_room(seq, first + chunk, batch):
                 continue  # seq preempted itself
-            batch.chunks.append((seq, chunk))
+            if uncomputed == 1 and first:
+                decodes.append(seq)
+            else:
+                chunks.append((seq, chunk))
             budget -= chunk
         if not batch.preempted:
             self._admit(batch, budget)
-        if not batch.chunks and self.waiting:  # waiting beams' siblings hold the blocks they need
+        if not batch.num_seqs and self.waiting:  # waiting beams' siblings hold the blocks they need
             idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
-            while not batch.chunks and self.waiting and idle:
+            while not batch.num_seqs and self.waiting and idle:
                 self._preempt(idle.pop(), batch, front=False)
                 self._admit(batch, budget)
         return batch
@@ -83,7 +97,7 @@ class Scheduler:
             return None
         for seq in growing:
             blocks.grow(seq.block_table, len(seq.token_ids) + 1)
-        return ScheduledBatch([(seq, 1) for seq in self.running])
+        return ScheduledBatch(decodes=list(self.running))
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
@@ -123,7 +137,10 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.chunks.append((seq, chunk))
+            if num_cached and len(seq.token_ids) - num_cached == 1:  # its last token after its cached blocks
+                batch.decodes.append(seq)
+            else:
+                batch.chunks.append((seq, chunk))
             budget -= chunk
             admitted_requests.add(seq.request_id)
 

@@ -59,8 +59,7 @@ class Postprocessor(Protocol):
 class Speculation(Protocol):
     """Drafts added before the runner lays a step out, verified once the sampler has drawn every row."""
 
-    def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
-        ...
+    def draft(self, batch: ScheduledBatch, max_num_batched_tokens: int) -> None: ...  # decodes given drafts: chunks
 
     def sampling_rows(self, seqs: list[Sequence]) -> list: ...  # one per logits row
 

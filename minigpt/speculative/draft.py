@@ -63,7 +63,7 @@ class DraftModel:
         mirrors = [self._sync(seq) for seq in seqs]
         for step in range(max(ks, default=0)):
             active = [i for i, k in enumerate(ks) if k > step and mirrors[i] is not None]
-            chunks = []
+            chunks, decodes = [], []
             for i in active:
                 mirror = mirrors[i]
                 need = self.blocks.blocks_needed(len(mirror.token_ids)) - len(mirror.block_table)
@@ -72,14 +72,18 @@ class DraftModel:
                     mirrors[i] = None
                     continue
                 self.blocks.grow(mirror.block_table, len(mirror.token_ids))
-                chunks.append((mirror, mirror.num_uncomputed_tokens))
-            if not chunks:
+                chunk = mirror.num_uncomputed_tokens
+                if chunk == 1 and mirror.num_computed_tokens:
+                    decodes.append(mirror)
+                else:
+                    chunks.append((mirror, chunk))
+            if not chunks and not decodes:
                 break
-            inputs = self.runner.prepare(chunks)
+            inputs = self.runner.prepare(chunks, decodes)
             tokens = argmax(self.runner.run(inputs)[:, : self.vocab_limit].float()).tolist()
             # rows come in the runner's order (catching-up chunks before single-token decodes), not chunks'
             token_of = {id(mirror): token for mirror, token in zip(inputs.sample_seqs, tokens, strict=True)}
-            for mirror, chunk in chunks:
+            for mirror, chunk in [*chunks, *((mirror, 1) for mirror in decodes)]:
                 mirror.num_computed_tokens += chunk
                 mirror.token_ids.append(token_of[id(mirror)])
             for i in active:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from minigpt.engine.config import EngineConfig
 from minigpt.engine.engine import Engine
 from minigpt.engine.kv_cache import BlockManager
-from minigpt.engine.runner import is_decode
+from minigpt.engine.scheduler import ScheduledBatch
 from minigpt.engine.sequence import Sequence
 from minigpt.engine.speculative_config import SpeculativeConfig
 from minigpt.sampling import TokenLogprobs
@@ -52,13 +52,11 @@ class Speculator:
         # just above the break-even of one draft: (1 + a) tokens for 1 + draft_cost + VERIFY_COST_PER_TOKEN
         self._probe_acceptance = min(self.draft_cost + VERIFY_COST_PER_TOKEN + PROBE_MARGIN, PRIOR_ACCEPTANCE)
 
-    def draft(self, chunks: list[tuple[Sequence, int]], max_num_batched_tokens: int) -> list[tuple[Sequence, int]]:
-        """The step's chunks with drafts added to its decodes, within the token budget and the free blocks."""
-        budget = max_num_batched_tokens - sum(chunk for _, chunk in chunks)
+    def draft(self, batch: ScheduledBatch, max_num_batched_tokens: int) -> None:
+        """Drafts for the step's decodes, within the token budget and the free blocks: those given some are chunks."""
+        budget = max_num_batched_tokens - sum(chunk for _, chunk in batch.chunks) - len(batch.decodes)
         seqs, ks = [], []
-        for seq, chunk in chunks:
-            if not is_decode(seq, chunk):
-                continue  # a prompt chunk
+        for seq in batch.decodes:
             if seq.params.structured_outputs is not None:
                 continue  # structured outputs: the grammar takes one token a step
             k = min(self._k(seq), seq.max_len - len(seq.token_ids) - 1, budget)  # never past max_tokens
@@ -67,7 +65,7 @@ class Speculator:
                 ks.append(k)
                 budget -= k
         if not seqs:
-            return chunks
+            return
         if self.draft_model is not None:
             drafts = self.draft_model.propose(seqs, ks)
         else:
@@ -80,7 +78,8 @@ class Speculator:
             draft = draft[: spare * blocks.block_size - len(seq.token_ids)]
             blocks.grow(seq.block_table, len(seq.token_ids) + len(draft))
             seq.draft_token_ids = draft
-        return [(seq, chunk + len(seq.draft_token_ids)) for seq, chunk in chunks]
+        batch.chunks += [(seq, 1 + len(seq.draft_token_ids)) for seq in seqs if seq.draft_token_ids]
+        batch.decodes = [seq for seq in batch.decodes if not seq.draft_token_ids]
 
     def _k(self, seq: Sequence) -> int:
         if not self.config.adaptive:
