@@ -4,7 +4,7 @@ entry), so a steady step writes none."""
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import compress, filterfalse
 from operator import add, attrgetter, ne
 
 import torch
@@ -20,6 +20,7 @@ class DecodeRows:
         self.in_block = torch.arange(block_size, device=device)
         self._allocate(max_rows, max_blocks, device)
         self.seqs: list[Sequence] = []
+        self.row_of: dict[Sequence, int] = {}
         self.written: list[list[int] | None] = []  # each row's table as written there; None: to write
 
     def _allocate(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
@@ -48,25 +49,22 @@ class DecodeRows:
         return list(seqs), entries, values
 
     def _rearrange(self, decodes: list[Sequence]) -> None:
+        """Rows for `decodes`: each one that left takes the last row's sequence, each new one a row at the end;
+        the rows kept stay (set operations in C, then a loop over the changes only)."""
         wanted = set(decodes)
-        seqs, written = self.seqs, self.written
+        seqs, written, row_of = self.seqs, self.written, self.row_of
         if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten
             self._allocate(2 * len(wanted), self.tables.shape[1], self.tables.device)
             written[:] = [None] * len(written)
-        row = 0
-        while row < len(seqs):
-            if seqs[row] in wanted:
-                row += 1
-                continue
-            seqs[row], written[row] = seqs[-1], None  # the last row moves here (itself, when it is the last)
-            seqs.pop()
+        for row in sorted(map(row_of.pop, row_of.keys() - wanted), reverse=True):  # rows after it: kept ones
+            last = seqs.pop()
             written.pop()
-        if len(seqs) < len(wanted):
-            kept = set(seqs)
-            for seq in decodes:
-                if seq not in kept:
-                    seqs.append(seq)
-                    written.append(None)
+            if row < len(seqs):
+                seqs[row], written[row], row_of[last] = last, None, row
+        for seq in filterfalse(row_of.__contains__, decodes):
+            row_of[seq] = len(seqs)
+            seqs.append(seq)
+            written.append(None)
 
     def write(self, entries: torch.Tensor, blocks: torch.Tensor) -> None:
         """The entries `arrange` found changed (flat indices into the tables) and their block ids, on the device."""
@@ -88,3 +86,4 @@ class DecodeRows:
     def clear(self) -> None:
         self.seqs.clear()
         self.written.clear()
+        self.row_of.clear()
