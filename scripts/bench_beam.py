@@ -80,7 +80,7 @@ def main() -> None:
         llm.beam_search(prompts[:2], params)  # warm-up
         peak: dict[int, int] = {}
 
-        def watch(batch, sampled) -> None:
+        def watch(batch, sampled, num_tokens) -> None:
             for request_id, group in llm.engine.beam_groups.items():
                 held = len({block for seq in group.seqs for block in seq.block_table})
                 peak[request_id] = max(peak.get(request_id, 0), held)

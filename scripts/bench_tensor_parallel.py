@@ -55,7 +55,7 @@ def run_setup(model: str, ranks: int, threads: int, stream: W.StreamWorkload, ba
         reduce = runner.shard.all_reduce = Timed(runner.shard.all_reduce)
     prepare = runner.prepare
     last = []
-    runner.prepare = lambda chunks: last.append(prepare(chunks)) or last[-1]
+    runner.prepare = lambda *args: last.append(prepare(*args)) or last[-1]
     rows = []
     for workload, prompts, n in (("stream", [stream.prompt.token_ids], stream.max_new_tokens),
                                  (batch.name, batch.prompt_token_ids, batch.max_new_tokens)):

@@ -527,6 +527,17 @@ def test_max_tokens_zero_scores_the_prompt_without_sampling(tiny_checkpoint, ref
         assert scores[0] == pytest.approx(scores[1], abs=1e-5)
 
 
+def test_a_scored_prompt_whose_last_chunk_is_one_token_is_not_sampled(tiny_checkpoint):
+    """A scoring request's prompt cut by the token budget to a last chunk of one token is still a prompt
+    chunk, not a decode: its last position is scored and nothing is drawn."""
+    prompt = random_prompts([25], seed=5)[0]
+    with LLM(str(tiny_checkpoint), block_size=8, max_num_batched_tokens=24) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+        assert_all_free(llm)
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert len(out.prompt_logprobs) == len(prompt) and all(out.prompt_logprobs[1:])
+
+
 def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1, got 0"):
         SamplingParams(max_tokens=0)

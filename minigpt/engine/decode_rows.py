@@ -49,8 +49,7 @@ class DecodeRows:
         return list(seqs), entries, values
 
     def _rearrange(self, decodes: list[Sequence]) -> None:
-        """Rows for `decodes`: each one that left takes the last row's sequence, each new one a row at the end;
-        the rows kept stay (set operations in C, then a loop over the changes only)."""
+        """A row that left takes the last row's sequence, a new one joins at the end: a loop over changes only."""
         wanted = set(decodes)
         seqs, written, row_of = self.seqs, self.written, self.row_of
         if len(wanted) > self.tables.shape[0]:  # beams join past max_num_seqs: rows double, rewritten

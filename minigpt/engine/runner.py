@@ -130,6 +130,8 @@ class ModelRunner:
         """The flat step: the (sequence, tokens to compute) chunks, then the decodes in their rows' order
         (`DecodeRows`), its host values sent in one copy. With `ahead`, each decode computes its token in `ahead`,
         one past its `token_ids`."""
+        if ahead is not None and chunks:
+            raise ValueError("a step laid out ahead decodes only: its chunks' tokens are all known")
         bs = self.config.block_size
         prefills = list(chunks)
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []

@@ -63,7 +63,7 @@ class Scheduler:
             chunk = uncomputed if uncomputed <= budget else budget
             if not has_room(seq.block_table, first, first + chunk) and not self._make_room(seq, first + chunk, batch):
                 continue  # seq preempted itself
-            if uncomputed == 1 and first:
+            if uncomputed == 1 and first and not seq.scores_only:  # a scored prompt's last token is scored
                 decodes.append(seq)
             else:
                 chunks.append((seq, chunk))

@@ -81,7 +81,7 @@ class DraftModel:
                 break
             inputs = self.runner.prepare(chunks, decodes)
             tokens = argmax(self.runner.run(inputs)[:, : self.vocab_limit].float()).tolist()
-            # rows come in the runner's order (catching-up chunks before single-token decodes), not chunks'
+            # rows come in the runner's order (catching-up chunks, then decodes in their rows' order)
             token_of = {id(mirror): token for mirror, token in zip(inputs.sample_seqs, tokens, strict=True)}
             for mirror, chunk in [*chunks, *((mirror, 1) for mirror in decodes)]:
                 mirror.num_computed_tokens += chunk
