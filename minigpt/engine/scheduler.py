@@ -63,7 +63,8 @@ class Scheduler:
             chunk = uncomputed if uncomputed <= budget else budget
             if not has_room(seq.block_table, first, first + chunk) and not self._make_room(seq, first + chunk, batch):
                 continue  # seq preempted itself
-            if uncomputed == 1 and first and not seq.scores_only:  # a scored prompt's last token is scored
+            # a decode: a sequence with an output, or a prompt's last token that is drawn from (not `scores_only`)
+            if uncomputed == 1 and first and (seq.output_token_ids or not seq.scores_only):
                 decodes.append(seq)
             else:
                 chunks.append((seq, chunk))
