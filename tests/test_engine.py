@@ -567,3 +567,19 @@ def test_check_context_gives_the_tokens_a_request_may_generate():
         check_context(5, 6, 10)
     with pytest.raises(ValueError, match="a prompt of 10 tokens leaves no room in the model's context of 10"):
         check_context(10, None, 10)
+
+
+def test_steps_count_every_token_the_outputs_hold(tiny_checkpoint):
+    """The tokens each step reports (on_step, num_generated_tokens) add up to the outputs' tokens: sampled and
+    greedy completions, stops, a prompt only scored, chunked prompts."""
+    prompts = random_prompts([5, 30, 9, 12], seed=8)
+    params = [SamplingParams(max_tokens=7, n=2, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=5, ignore_eos=True),
+              SamplingParams(max_tokens=0, prompt_logprobs=1),
+              SamplingParams(max_tokens=9, stop_token_ids=[7, 70, 700], temperature=1.2, seed=1)]
+    with LLM(str(tiny_checkpoint), max_num_batched_tokens=24) as llm:
+        reported: list[int] = []
+        llm.engine.on_step = lambda batch, sampled, num_tokens: reported.append(num_tokens)
+        outs = llm.generate(prompts, params)
+        held = sum(len(c.token_ids) for out in outs for c in out.outputs)
+        assert sum(reported) == llm.engine.num_generated_tokens == held > 0

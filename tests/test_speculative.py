@@ -258,6 +258,7 @@ def test_structured_outputs_decode_without_drafts_and_equal_no_speculation(tiny_
         assert [o.token_ids for o in outs] == expected
         assert outs[0].metrics.num_draft_tokens == 0 < outs[1].metrics.num_draft_tokens
         assert re.fullmatch(r"(ab|cd){3,12}", outs[0].text)
+        assert llm.engine.num_generated_tokens == sum(len(o.token_ids) for o in outs)  # verified drafts counted
         assert_spec_free(llm)
 
 

@@ -132,15 +132,19 @@ class Engine:
         if step.drawn is not None:
             self._append_drawn(step)
             return
-        outputs_before = _num_outputs(step.inputs.sample_seqs)
+        sampled = step.inputs.sample_seqs
         self._account_computed(step)
         self._record_prompt_logprobs(step)
         self._finish_scoring(step)
-        for postprocessor in self.postprocessors:
-            postprocessor(step)
+        features = [feature for feature in self.postprocessors if feature.acts_on(step)]
+        # else each sampled sequence gains one token; a feature or a verified draft may append any number
+        counted = bool(features) or self.speculator is not None
+        outputs_before = _num_outputs(sampled) if counted else 0
+        for feature in features:
+            feature(step)
         self._sample(step)
-        step.updated += step.inputs.sample_seqs
-        step.num_tokens = _num_outputs(step.inputs.sample_seqs) - outputs_before
+        step.updated += sampled
+        step.num_tokens = _num_outputs(sampled) - outputs_before if counted else len(sampled)
 
     def _append_drawn(self, step: Step) -> None:
         """The drawn tokens read and appended, but for the sequences that finished (or were aborted) after the
