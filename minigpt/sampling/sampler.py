@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -153,10 +154,16 @@ def argmax(x: Tensor) -> Tensor:
     maxima = x[:, :full].view(rows, -1, block).amax(dim=-1)
     if full < n:
         maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
-    start = maxima.argmax(dim=-1, keepdim=True) * block
-    # the last block may be short: its columns past the end repeat the last one, after the real ones
-    columns = (start + torch.arange(block, device=x.device)).clamp_(max=n - 1)
-    return (start + x.gather(1, columns).argmax(dim=-1, keepdim=True)).squeeze(1)
+    start = maxima.argmax(dim=-1, keepdim=True).mul_(block)
+    columns = _block_columns(block, x.device) + start
+    if full < n:  # the last block is short: its columns past the end repeat the last one, after the real ones
+        columns.clamp_(max=n - 1)
+    return x.gather(1, columns).argmax(dim=-1).add_(start.view(-1))
+
+
+@lru_cache(maxsize=8)
+def _block_columns(block: int, device: torch.device) -> Tensor:
+    return torch.arange(block, device=device)  # built once: a small op costs a step more in dispatch than in work
 
 
 def _logprobs(logits: Tensor, chosen: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
