@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minigpt import LLM, BeamSearchParams, SamplingParams
+from minigpt.engine.scheduler import Scheduler
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
 
@@ -583,3 +584,45 @@ def test_steps_count_every_token_the_outputs_hold(tiny_checkpoint):
         outs = llm.generate(prompts, params)
         held = sum(len(c.token_ids) for out in outs for c in out.outputs)
         assert sum(reported) == llm.engine.num_generated_tokens == held > 0
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_seqs": 3}, {"kv_cache_tokens": 96, "block_size": 8},
+                                         {"max_num_batched_tokens": 20, "block_size": 8}],
+                         ids=["default", "admissions", "tiny-pool", "chunked"])
+def test_a_step_after_one_token_each_schedules_what_the_loop_over_rows_does(tiny_checkpoint, monkeypatch,
+                                                                              engine_args):
+    """After a step in which every running sequence took one token, the next decodes them all without a loop over
+    rows (growing the tables that need a block): the same batches, tokens and blocks as through the loop, with
+    requests finishing and admitted between, prompts chunked, and a pool too small for all (then the loop runs)."""
+    prompts = random_prompts([5, 30, 9, 17, 3, 12], seed=6)
+    lengths, stops, temperatures = [20, 7, 33, 12, 26, 9], [1, 2, 3, 4, 5, 50256], [0, 1, 0, 1.3, 0, 0.7]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=[s], temperature=t, seed=i)
+              for i, (m, s, t) in enumerate(zip(lengths, stops, temperatures, strict=True))]
+
+    def record(steps: list, batch) -> None:
+        steps.append(([(s.request_id, c) for s, c in batch.chunks],
+                      [(s.request_id, list(s.block_table)) for s in batch.decodes],
+                      [s.request_id for s in batch.preempted]))
+
+    def run() -> tuple[list, list, int]:
+        with LLM(str(tiny_checkpoint), **engine_args) as llm:
+            steps: list = []
+            llm.engine.on_step = lambda batch, sampled, num_tokens: record(steps, batch)
+            outs = [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params)]
+            assert_all_free(llm)
+            return outs, steps, llm.engine.blocks.num_hit_blocks
+
+    taken = []
+    decode_all = Scheduler._decode_all
+
+    def counted(self, batch) -> bool:
+        taken.append(decode_all(self, batch))
+        return taken[-1]
+
+    monkeypatch.setattr(Scheduler, "_decode_all", counted)
+    steady = run()
+    monkeypatch.setattr(Scheduler, "_decode_all", lambda self, batch: False)
+    assert steady == run()
+    assert taken.count(True) > len(taken) // 2
+    if "kv_cache_tokens" in engine_args:
+        assert False in taken and any(preempted for _, _, preempted in steady[1])

@@ -144,7 +144,12 @@ class Engine:
             feature(step)
         self._sample(step)
         step.updated += sampled
-        step.num_tokens = _num_outputs(sampled) - outputs_before if counted else len(sampled)
+        if counted:
+            step.num_tokens = _num_outputs(sampled) - outputs_before
+            return
+        step.num_tokens = len(sampled)
+        if len(sampled) == step.batch.num_seqs:
+            self.scheduler.took_one_token_each(step.batch)
 
     def _append_drawn(self, step: Step) -> None:
         """The drawn tokens read and appended, but for the sequences that finished (or were aborted) after the

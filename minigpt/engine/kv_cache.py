@@ -148,6 +148,11 @@ class BlockManager:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
         block_table.extend(self._take() for _ in range(need))
 
+    def add_blocks(self, block_tables: list[list[int]]) -> None:
+        """One block more at the end of each table (`can_allocate` has said there are enough)."""
+        for block_table in block_tables:
+            block_table.append(self._take())
+
     def fork(self, block_table: list[int]) -> list[int]:
         for block in block_table:
             self.ref_counts[block] += 1

@@ -10,9 +10,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, gt, mul
 
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.sequence import RUNNING, Sequence, Status
+
+_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")  # loops in C over a step's rows
 
 
 @dataclass
@@ -41,6 +45,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._whole: ScheduledBatch | None = None  # the last batch decoding every running sequence, none else
+        self._steady = False  # `_whole` was postprocessed with one token each: the next step decodes them all again
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -48,9 +54,31 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def took_one_token_each(self, batch: ScheduledBatch) -> None:
+        """`batch` is postprocessed, each of its sequences one token longer (or finished), nothing else changed."""
+        self._steady = batch is self._whole
+
     def schedule(self) -> ScheduledBatch:
+        steady, self._steady = self._steady, False
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if steady and len(self.running) <= budget and self._decode_all(batch):
+            budget -= len(batch.decodes)
+        else:
+            budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._admit(batch, budget)
+        if not batch.num_seqs and self.waiting:  # waiting beams' siblings hold the blocks they need
+            idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
+            while not batch.num_seqs and self.waiting and idle:
+                self._preempt(idle.pop(), batch, front=False)
+                self._admit(batch, budget)
+        if not batch.preempted and batch.num_seqs == len(self.running):
+            self._whole = batch
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """The running sequences' tokens to compute, in order, while the budget lasts; returns what is left."""
         has_room = self.blocks.has_room
         chunks, decodes = batch.chunks, batch.decodes
         for seq in list(self.running):
@@ -69,14 +97,20 @@ class Scheduler:
             else:
                 chunks.append((seq, chunk))
             budget -= chunk
-        if not batch.preempted:
-            self._admit(batch, budget)
-        if not batch.num_seqs and self.waiting:  # waiting beams' siblings hold the blocks they need
-            idle = [seq for seq in self.running if not seq.num_uncomputed_tokens]
-            while not batch.num_seqs and self.waiting and idle:
-                self._preempt(idle.pop(), batch, front=False)
-                self._admit(batch, budget)
-        return batch
+        return budget
+
+    def _decode_all(self, batch: ScheduledBatch) -> bool:
+        """Every running sequence decodes, each one token past the whole batch before: only the tables whose next
+        token starts a block are grown (by one). False, nothing changed, when too few blocks are free for them."""
+        running, blocks = self.running, self.blocks
+        tables = list(map(_block_table, running))
+        capacities = map(mul, map(len, tables), repeat(blocks.block_size))
+        growing = list(compress(tables, map(gt, map(len, map(_token_ids, running)), capacities)))
+        if not blocks.can_allocate(len(growing)):
+            return False
+        blocks.add_blocks(growing)
+        batch.decodes = list(running)
+        return True
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """The step `schedule` will give once `seqs`' tokens of the step now running are appended, given now
@@ -98,7 +132,8 @@ class Scheduler:
             return None
         for seq in growing:
             blocks.grow(seq.block_table, len(seq.token_ids) + 1)
-        return ScheduledBatch(decodes=list(self.running))
+        self._whole = ScheduledBatch(decodes=list(self.running))
+        return self._whole
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
@@ -161,6 +196,7 @@ class Scheduler:
 
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
         """A fork of `parent` joins it: running, or waiting right behind it."""
+        self._steady = False
         if parent.status is Status.RUNNING:
             self.running.append(child)
         else:
