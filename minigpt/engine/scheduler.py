@@ -2,7 +2,9 @@
 
 Every sequence has tokens whose K/V are not in the pool yet (a prompt, a chunk of one, a recomputation
 after preemption, the token sampled last step): running ones go first, then waiting ones are admitted.
-When blocks run out the newest running sequence is preempted and waits to be recomputed.
+When blocks run out the newest running sequence is preempted and waits to be recomputed. After a step in which
+every running sequence took one token (the engine says so), the next decodes them all again with no Python loop
+over them, only the tables that need a block given one.
 """
 
 from __future__ import annotations
