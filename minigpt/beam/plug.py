@@ -7,6 +7,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from operator import attrgetter
 
 import torch
 
@@ -18,6 +19,8 @@ from minigpt.engine.request import Prompt
 from minigpt.engine.seams import Step
 from minigpt.engine.sequence import Sequence
 from minigpt.sampling import SamplingParams
+
+_request_id = attrgetter("request_id")
 
 
 def plug_beam_search(engine: Engine) -> None:
@@ -57,7 +60,7 @@ class BeamPostprocessor:
 
     def acts_on(self, step: Step) -> bool:
         ids = self._live_ids()
-        return any(seq.request_id in ids for seq in step.seqs)
+        return bool(ids) and not ids.isdisjoint(map(_request_id, step.seqs))  # a loop in C: every step asks
 
     def __call__(self, step: Step) -> None:
         ids = self._live_ids()
