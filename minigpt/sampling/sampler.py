@@ -76,7 +76,7 @@ class Sampler:
         if bitmask is None and all(map(_argmax_only, rows)):
             _check_shape(logits, rows)
             # nothing to transform; fp32: exact for any dtype, and on the CPU faster than a half-precision argmax
-            return argmax(logits[:, : self.vocab_limit].float()), None
+            return argmax(_first_columns(logits, self.vocab_limit).float()), None
         batch = self._batch(logits, rows, bitmask, ahead)
         sampled = batch.sampled
         x = self._process(batch)
@@ -97,8 +97,9 @@ class Sampler:
                ) -> _Batch:
         _check_shape(logits, rows)
         params = [row.params for row in rows]
-        return _Batch(rows, logits[:, : self.vocab_limit], params, [self._suppressed(row, ahead) for row in rows],
-                      any(penalised(p) for p in params), any(biased(p) for p in params),
+        return _Batch(rows, _first_columns(logits, self.vocab_limit), params,
+                      [self._suppressed(row, ahead) for row in rows], any(penalised(p) for p in params),
+                      any(biased(p) for p in params),
                       [i for i, p in enumerate(params) if not p.greedy], bitmask)
 
     def _process(self, batch: _Batch) -> Tensor:
@@ -121,6 +122,10 @@ class Sampler:
 
 
 _argmax_only = attrgetter("params.argmax_only")  # a loop in C over a step's rows
+
+
+def _first_columns(x: Tensor, n: int) -> Tensor:
+    return x if x.shape[1] == n else x[:, :n]  # a slice is an op: a step pays for each, cold
 
 
 def _check_shape(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -151,7 +156,7 @@ def argmax(x: Tensor) -> Tensor:
         return x.max(dim=-1).indices
     block = 1 << round(math.log2(n) / 2)  # a power of two: both argmaxes about sqrt(n) wide
     full = n - n % block
-    maxima = x[:, :full].view(rows, -1, block).amax(dim=-1)
+    maxima = _first_columns(x, full).view(rows, -1, block).amax(dim=-1)
     if full < n:
         maxima = torch.cat([maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
     start = maxima.argmax(dim=-1, keepdim=True).mul_(block)
