@@ -5,6 +5,7 @@ stand-in that sleeps to show the next step is launched while the last one's toke
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from minigpt import LLM, SamplingParams
 from minigpt.common.errors import ParamError
 from minigpt.common.transfer import HostCopy
 from minigpt.engine.config import EngineConfig
+from minigpt.engine.runner import ModelRunner
 from minigpt.sampling import Sampler
 
 from conftest import assert_all_free, needs_cuda, random_prompts
@@ -77,6 +79,30 @@ def test_preemption_and_chunked_prefill_under_overlap(tiny_checkpoint) -> None:
     config = dict(batch_invariant=True, kv_cache_tokens=96, block_size=16, max_num_batched_tokens=20)
     assert generate(tiny_checkpoint, "on", PROMPTS, params, **config) == generate(
         tiny_checkpoint, "off", PROMPTS, params, **config)
+
+
+def test_a_step_laid_out_ahead_gives_each_drawn_token_a_slot_of_its_own(tiny_checkpoint, monkeypatch) -> None:
+    """A step laid out ahead grows the tables whose drawn token starts a block: each decode's position is in its
+    table, in a block no other table holds; blocks are short for some (the step is read first), and requests
+    finish and are admitted between."""
+    laid_out = []
+    prepare = ModelRunner.prepare
+
+    def checked(self, chunks, decodes=(), ahead=None):
+        bs, counts = self.config.block_size, Counter(b for seq in decodes for b in seq.block_table)
+        positions = [len(seq.token_ids) - 1 + (ahead is not None) for seq in decodes]
+        for seq, position in zip(decodes, positions, strict=True):
+            assert position < len(seq.block_table) * bs and counts[seq.block_table[position // bs]] == 1
+        if ahead is not None:
+            laid_out.append(any(position % bs == 0 for position in positions))  # a block begun
+        return prepare(self, chunks, decodes, ahead)
+
+    monkeypatch.setattr(ModelRunner, "prepare", checked)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 9, 21, 40, 14, 26)]
+    config = dict(batch_invariant=True, kv_cache_tokens=120, block_size=8, max_num_seqs=4)
+    overlapped = generate(tiny_checkpoint, "on", PROMPTS, params, **config)
+    assert len(laid_out) > 10 and any(laid_out)
+    assert overlapped == generate(tiny_checkpoint, "off", PROMPTS, params, **config)
 
 
 class SleepyCopy(HostCopy):

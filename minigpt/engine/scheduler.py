@@ -13,12 +13,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import attrgetter, gt, mul
+from operator import add, attrgetter, gt, mul
 
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.sequence import RUNNING, Sequence, Status
 
-_block_table, _token_ids = attrgetter("block_table"), attrgetter("token_ids")  # loops in C over a step's rows
+# loops in C over a step's rows
+_block_table, _token_ids, _draft_token_ids = map(attrgetter, ("block_table", "token_ids", "draft_token_ids"))
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._whole: ScheduledBatch | None = None  # the last batch decoding every running sequence, none else
         self._steady = False  # `_whole` was postprocessed with one token each: the next step decodes them all again
+        self._forked: set[Sequence] = set()  # beams not finished, whose tables may share a block being filled
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -102,40 +104,38 @@ class Scheduler:
         return budget
 
     def _decode_all(self, batch: ScheduledBatch) -> bool:
-        """Every running sequence decodes, each one token past the whole batch before: only the tables whose next
-        token starts a block are grown (by one). False, nothing changed, when too few blocks are free for them."""
-        running, blocks = self.running, self.blocks
-        tables = list(map(_block_table, running))
-        capacities = map(mul, map(len, tables), repeat(blocks.block_size))
-        growing = list(compress(tables, map(gt, map(len, map(_token_ids, running)), capacities)))
-        if not blocks.can_allocate(len(growing)):
+        """Every running sequence decodes, each one token past the whole batch before. False, nothing changed,
+        when too few blocks are free for the tables that need one."""
+        if not self._grow_for_next(0):
             return False
-        blocks.add_blocks(growing)
-        batch.decodes = list(running)
+        batch.decodes = list(self.running)
         return True
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """The step `schedule` will give once `seqs`' tokens of the step now running are appended, given now
-        (each decodes the token it is drawing): when they are all that runs, none waits, and each has its block
-        for that token or one is free. None: that step needs the tokens read first."""
-        if self.waiting or len(seqs) != len(self.running) or len(seqs) > self.max_num_batched_tokens:
+        (each decodes the token it is drawing): when they are all that runs, none waits or drafts, no table shares
+        a block a beam forked, and blocks are free for those that need one. None: that step needs the tokens read
+        first."""
+        running = self.running
+        if (self.waiting or self._forked or len(seqs) != len(running) or len(seqs) > self.max_num_batched_tokens
+                or any(map(_draft_token_ids, running)) or not self._grow_for_next(1)):
             return None
-        blocks, growing = self.blocks, []
-        for seq in self.running:
-            n = len(seq.token_ids)  # the drawn token's position
-            if seq.status is not RUNNING or seq.draft_token_ids:
-                return None
-            if not blocks.has_room(seq.block_table, n, n + 1):
-                if blocks.shares(seq.block_table, n):
-                    return None  # a copy on write: `schedule`'s to make
-                growing.append(seq)
-        if not blocks.can_allocate(sum(blocks.blocks_needed(len(seq.token_ids) + 1) - len(seq.block_table)
-                                       for seq in growing)):
-            return None
-        for seq in growing:
-            blocks.grow(seq.block_table, len(seq.token_ids) + 1)
-        self._whole = ScheduledBatch(decodes=list(self.running))
+        self._whole = ScheduledBatch(decodes=list(running))
         return self._whole
+
+    def _grow_for_next(self, ahead: int) -> bool:
+        """A block more for each running table that lacks one for its sequence's next position (its last token,
+        `ahead` tokens on): one at most, as every earlier position has its slot. False, nothing changed, when too
+        few are free."""
+        running, blocks = self.running, self.blocks
+        tables = list(map(_block_table, running))
+        capacities = map(mul, map(len, tables), repeat(blocks.block_size))
+        lengths = map(len, map(_token_ids, running))
+        growing = list(compress(tables, map(gt, map(add, lengths, repeat(ahead)) if ahead else lengths, capacities)))
+        if not blocks.can_allocate(len(growing)):
+            return False
+        blocks.add_blocks(growing)
+        return True
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks of its own up to `num_tokens` (it had not `has_room`), preempting newer sequences while
@@ -199,12 +199,14 @@ class Scheduler:
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
         """A fork of `parent` joins it: running, or waiting right behind it."""
         self._steady = False
+        self._forked.update((parent, child))
         if parent.status is Status.RUNNING:
             self.running.append(child)
         else:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
 
     def finish(self, seq: Sequence) -> None:
+        self._forked.discard(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
