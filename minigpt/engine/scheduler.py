@@ -48,7 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._whole: ScheduledBatch | None = None  # the last batch decoding every running sequence, none else
+        self._whole: ScheduledBatch | None = None  # the last batch that holds every running sequence, none preempted
         self._steady = False  # `_whole` was postprocessed with one token each: the next step decodes them all again
         self._forked: set[Sequence] = set()  # beams not finished, whose tables may share a block being filled
 
