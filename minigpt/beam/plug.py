@@ -60,7 +60,7 @@ class BeamPostprocessor:
 
     def acts_on(self, step: Step) -> bool:
         ids = self._live_ids()
-        return bool(ids) and not ids.isdisjoint(map(_request_id, step.seqs))  # a loop in C: every step asks
+        return bool(ids) and not ids.isdisjoint(map(_request_id, step.seqs))
 
     def __call__(self, step: Step) -> None:
         ids = self._live_ids()

@@ -137,8 +137,7 @@ class Engine:
         self._record_prompt_logprobs(step)
         self._finish_scoring(step)
         features = [feature for feature in self.postprocessors if feature.acts_on(step)]
-        # else each sampled sequence gains one token; a feature or a verified draft may append any number
-        counted = bool(features) or self.speculator is not None
+        counted = bool(features) or self.speculator is not None  # else: each sampled sequence took one token
         outputs_before = _num_outputs(sampled) if counted else 0
         for feature in features:
             feature(step)

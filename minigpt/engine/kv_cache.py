@@ -148,8 +148,7 @@ class BlockManager:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
         block_table.extend(self._take() for _ in range(need))
 
-    def add_blocks(self, block_tables: list[list[int]]) -> None:
-        """One block more at the end of each table (`can_allocate` has said there are enough)."""
+    def add_blocks(self, block_tables: list[list[int]]) -> None:  # one each: `can_allocate` said there are enough
         for block_table in block_tables:
             block_table.append(self._take())
 

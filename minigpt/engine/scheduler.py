@@ -2,9 +2,8 @@
 
 Every sequence has tokens whose K/V are not in the pool yet (a prompt, a chunk of one, a recomputation
 after preemption, the token sampled last step): running ones go first, then waiting ones are admitted.
-When blocks run out the newest running sequence is preempted and waits to be recomputed. After a step in which
-every running sequence took one token (the engine says so), the next decodes them all again with no Python loop
-over them, only the tables that need a block given one.
+When blocks run out the newest running sequence is preempted and waits to be recomputed. A step after one in which
+every running sequence took one token decodes them all again with no Python loop over them (`_decode_all`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from operator import add, attrgetter, gt, mul
 from minigpt.engine.kv_cache import BlockManager
 from minigpt.engine.sequence import RUNNING, Sequence, Status
 
-# loops in C over a step's rows
 _block_table, _token_ids, _draft_token_ids = map(attrgetter, ("block_table", "token_ids", "draft_token_ids"))
 
 
@@ -82,7 +80,6 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        """The running sequences' tokens to compute, in order, while the budget lasts; returns what is left."""
         has_room = self.blocks.has_room
         chunks, decodes = batch.chunks, batch.decodes
         for seq in list(self.running):
@@ -104,18 +101,15 @@ class Scheduler:
         return budget
 
     def _decode_all(self, batch: ScheduledBatch) -> bool:
-        """Every running sequence decodes, each one token past the whole batch before. False, nothing changed,
-        when too few blocks are free for the tables that need one."""
+        """Every running sequence decodes, one token past the whole batch before; False when blocks are short."""
         if not self._grow_for_next(0):
             return False
         batch.decodes = list(self.running)
         return True
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
-        """The step `schedule` will give once `seqs`' tokens of the step now running are appended, given now
-        (each decodes the token it is drawing): when they are all that runs, none waits or drafts, no table shares
-        a block a beam forked, and blocks are free for those that need one. None: that step needs the tokens read
-        first."""
+        """The step `schedule` will give once `seqs`' tokens (being drawn) are appended, given now: when they are all
+        that runs, none waits or drafts, no beam's table is forked, and blocks are free. None: read the tokens first."""
         running = self.running
         if (self.waiting or self._forked or len(seqs) != len(running) or len(seqs) > self.max_num_batched_tokens
                 or any(map(_draft_token_ids, running)) or not self._grow_for_next(1)):
@@ -124,9 +118,8 @@ class Scheduler:
         return self._whole
 
     def _grow_for_next(self, ahead: int) -> bool:
-        """A block more for each running table that lacks one for its sequence's next position (its last token,
-        `ahead` tokens on): one at most, as every earlier position has its slot. False, nothing changed, when too
-        few are free."""
+        """A block more (one at most: earlier positions have slots) for each running table lacking its sequence's
+        next position, its last token `ahead` tokens on, in C loops; False, nothing changed, when too few are free."""
         running, blocks = self.running, self.blocks
         tables = list(map(_block_table, running))
         capacities = map(mul, map(len, tables), repeat(blocks.block_size))

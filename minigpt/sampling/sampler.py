@@ -125,7 +125,7 @@ _argmax_only = attrgetter("params.argmax_only")  # a loop in C over a step's row
 
 
 def _first_columns(x: Tensor, n: int) -> Tensor:
-    return x if x.shape[1] == n else x[:, :n]  # a slice is an op: a step pays for each, cold
+    return x if x.shape[1] == n else x[:, :n]
 
 
 def _check_shape(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -168,7 +168,7 @@ def argmax(x: Tensor) -> Tensor:
 
 @lru_cache(maxsize=8)
 def _block_columns(block: int, device: torch.device) -> Tensor:
-    return torch.arange(block, device=device)  # built once: a small op costs a step more in dispatch than in work
+    return torch.arange(block, device=device)
 
 
 def _logprobs(logits: Tensor, chosen: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
