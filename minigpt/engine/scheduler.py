@@ -101,8 +101,8 @@ class Scheduler:
         return budget
 
     def _decode_all(self, batch: ScheduledBatch) -> bool:
-        """Every running sequence decodes, one token past the whole batch before; False when blocks are short."""
-        if not self._grow_for_next(0):
+        """Every running sequence decodes, one token past the whole batch before; False: blocks short, or beams."""
+        if self._forked or not self._grow_for_next(0):
             return False
         batch.decodes = list(self.running)
         return True
