@@ -191,7 +191,6 @@ class Scheduler:
 
     def add_fork(self, parent: Sequence, child: Sequence) -> None:
         """A fork of `parent` joins it: running, or waiting right behind it."""
-        self._steady = False
         self._forked.update((parent, child))
         if parent.status is Status.RUNNING:
             self.running.append(child)
