@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minigpt import LLM, BeamSearchParams, SamplingParams
+from minigpt.engine.runner import ModelRunner
 from minigpt.engine.scheduler import Scheduler
 
 from conftest import assert_all_free, hf_greedy, hf_model, random_prompts
@@ -626,3 +627,58 @@ def test_a_step_after_one_token_each_schedules_what_the_loop_over_rows_does(tiny
     assert taken.count(True) > len(taken) // 2
     if "kv_cache_tokens" in engine_args:
         assert False in taken and any(preempted for _, _, preempted in steady[1])
+
+
+def _decode_inputs_check(runner: ModelRunner, inputs) -> None:
+    """A decode-only step's inputs as each row's sequence calls for: its last token at its last position, its
+    length, the slot of that position and its block table."""
+    seqs, bs = runner.decode_rows.seqs, runner.config.block_size
+    lengths = [len(seq.token_ids) for seq in seqs]
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [seq.token_ids[-1] for seq in seqs]
+    assert inputs.positions.tolist() == [n - 1 for n in lengths]
+    assert meta.decode_context_lens.tolist() == lengths and meta.decode_context_lens.dtype == torch.int32
+    assert meta.slot_mapping.tolist() == [seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs
+                                          for seq, n in zip(seqs, lengths, strict=True)]
+    tables = meta.decode_block_tables.tolist()
+    assert len(tables[0]) == max(len(seq.block_table) for seq in seqs)
+    assert all(row[: len(seq.block_table)] == seq.block_table for row, seq in zip(tables, seqs, strict=True))
+    assert inputs.logits_indices.tolist() == inputs.sample_rows == list(range(len(seqs)))
+    assert inputs.sample_seqs == seqs and not meta.prefills and meta.num_prefill_tokens == 0
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_seqs": 3}, {"kv_cache_tokens": 96, "block_size": 8},
+                                         {"max_num_batched_tokens": 20, "block_size": 8}, {"overlap": "on"}],
+                         ids=["default", "admissions", "tiny-pool", "chunked", "overlap"])
+def test_a_step_laid_out_from_the_last_gives_what_its_sequences_call_for(tiny_checkpoint, monkeypatch,
+                                                                          engine_args):
+    """A decode step after one in which each decode took a token lays itself out from the last step's tensors
+    (advanced on the device): each row's token, position, length, slot and table as its sequence says, with
+    requests finishing and admitted, tables growing, preemption, chunked prompts, penalties and sampled rows;
+    the outputs are those of steps laid out from the sequences."""
+    prompts = random_prompts([5, 30, 9, 17, 3, 12, 5], seed=9)
+    prompts[-1] = prompts[0]  # the prefix cache shares its block
+    lengths, temperatures = [20, 7, 33, 12, 26, 9, 14], [0, 1, 0, 1.3, 0, 0.7, 0]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=[i + 1], temperature=t, seed=i,
+                             repetition_penalty=1.2 if i == 2 else 1.0)
+              for i, (m, t) in enumerate(zip(lengths, temperatures, strict=True))]
+    advance = ModelRunner._advance
+    advanced = []
+
+    def checked(self, last):
+        inputs = advance(self, last)
+        _decode_inputs_check(self, inputs)
+        advanced.append(len(inputs.sample_seqs))
+        return inputs
+
+    def run() -> list:
+        with LLM(str(tiny_checkpoint), **engine_args) as llm:
+            outs = [[c.token_ids for c in out.outputs] for out in llm.generate(prompts, params)]
+            assert_all_free(llm)
+            return outs
+
+    monkeypatch.setattr(ModelRunner, "_advance", checked)
+    outs = run()
+    assert len(advanced) > 10
+    monkeypatch.setattr(ModelRunner, "took_tokens", lambda self, tokens: None)
+    assert outs == run()

@@ -1,6 +1,5 @@
-"""The decode rows kept from step to step (a persistent batch): a decoding sequence keeps its row while it decodes,
-and its row of the block tables (and of their slots) is written again only where its blocks change (a new block: one
-entry), so a steady step writes none."""
+"""The decode rows kept from step to step (a persistent batch): a sequence keeps its row while it decodes, and its
+row of the block tables and slots is written again only where its blocks change (a new block: one entry)."""
 
 from __future__ import annotations
 

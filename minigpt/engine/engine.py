@@ -141,7 +141,7 @@ class Engine:
         outputs_before = _num_outputs(sampled) if counted else 0
         for feature in features:
             feature(step)
-        self._sample(step)
+        tokens = self._sample(step)
         step.updated += sampled
         if counted:
             step.num_tokens = _num_outputs(sampled) - outputs_before
@@ -149,6 +149,8 @@ class Engine:
         step.num_tokens = len(sampled)
         if len(sampled) == step.batch.num_seqs:
             self.scheduler.took_one_token_each(step.batch)
+            if tokens is not None:
+                self.runner.took_tokens(tokens)
 
     def _append_drawn(self, step: Step) -> None:
         """The drawn tokens read and appended, but for the sequences that finished (or were aborted) after the
@@ -216,15 +218,16 @@ class Engine:
             return step.logits[self.device_rows(step.rows)]
         return step.logits
 
-    def _sample(self, step: Step) -> None:
+    def _sample(self, step: Step) -> torch.Tensor | None:
+        """The tokens on the device, when each sequence took one."""
         if not step.seqs:
-            return
+            return None
         spec = self.speculator
         out = self.sampler(self._sampled_logits(step), spec.sampling_rows(step.seqs) if spec else step.seqs)
         tokens, logprobs = out.token_ids, out.logprobs or [None] * len(out.token_ids)
         if len(tokens) == len(step.seqs):  # a row a sequence
             self._append_each(step.seqs, tokens, logprobs)
-            return
+            return out.tokens
         for seq, rows in step.spans():
             if rows.stop - rows.start == 1:
                 seq.append(tokens[rows.start], logprobs[rows.start])
@@ -232,6 +235,7 @@ class Engine:
                 spec.verify(seq, tokens[rows], logprobs[rows])
             if seq.finished:
                 self.finish(seq)
+        return None
 
     def _append_each(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> None:
         for seq, token, token_logprobs in zip(seqs, tokens, logprobs, strict=True):

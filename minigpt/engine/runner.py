@@ -51,6 +51,16 @@ class StepInputs:
     prefill_seqs: list[Sequence]  # those computing prompt (or drafted) tokens
 
 
+@dataclass
+class _Decoded:
+    """A decode-only step's layout, `decodes` in the scheduler's order; `tokens` [R]: what they took."""
+
+    decodes: list[Sequence]
+    inputs: StepInputs
+    indices: torch.Tensor  # `DecodeRows.slot_indices` of their positions
+    tokens: torch.Tensor | None = None
+
+
 class ForwardPath(Protocol):
     """Runs the steps it covers in place of the eager forward (compiled steps, CUDA graphs); chosen at start.
     `generated_apart`: its steps attend generated rows by another kernel than prompt rows, so a block of
@@ -97,6 +107,8 @@ class ModelRunner:
         self.forward_path: ForwardPath = EagerForward(self)
         self.decode_rows = DecodeRows(config.max_num_seqs, -(-model.config.n_positions // config.block_size),
                                       config.block_size, self.device)
+        self._decoded: _Decoded | None = None  # the last step's, when it only decoded; advanced: once it took tokens
+        self._advanced: _Decoded | None = None
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
@@ -132,6 +144,9 @@ class ModelRunner:
         one past its `token_ids`."""
         if ahead is not None and chunks:
             raise ValueError("a step laid out ahead decodes only: its chunks' tokens are all known")
+        advanced, self._advanced = self._advanced, None
+        if advanced is not None and not chunks and ahead is None and decodes == advanced.decodes:
+            return self._advance(advanced)
         bs = self.config.block_size
         prefills = list(chunks)
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
@@ -164,6 +179,7 @@ class ModelRunner:
                 sample_rows += range(len(rows), len(rows) + len(verified))
                 rows += (start + p - first for p in verified)
         num_prefill = len(ids)
+        given = decodes
         decodes, table_entries, table_blocks = self.decode_rows.arrange(decodes)
         token_ids = list(map(attrgetter("token_ids"), decodes))
         lens = list(map(len, token_ids))
@@ -201,8 +217,31 @@ class ModelRunner:
                              for (start, chunk, end, _, in_prompt), table in zip(segments, tables_t, strict=True)]
         num_fresh = len(fresh) if batched else 0
         meta = StepMetadata(slots_t, prefill_segments, num_prefill, tables, decode_lens, num_fresh)
-        return StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows,
-                          [seq for seq, _ in prefills])
+        inputs = StepInputs(ids_t, positions_t, meta, rows_t, sample_seqs, sample_rows, prompt_rows,
+                            [seq for seq, _ in prefills])
+        self._decoded = _Decoded(list(given), inputs, indices_t) if decodes and not num_prefill else None
+        return inputs
+
+    def took_tokens(self, tokens: torch.Tensor) -> None:
+        """Each decode of the last step took its token in `tokens` (rows' order), and nothing else changed."""
+        if self._decoded is not None:
+            self._decoded.tokens = tokens
+            self._advanced = self._decoded
+
+    def _advance(self, last: _Decoded) -> StepInputs:
+        """`last`'s decodes a token further: its tensors advanced on the device; grown tables' entries the one copy."""
+        rows, before = self.decode_rows, last.inputs
+        seqs, entries, blocks = rows.arrange(before.sample_seqs)
+        tables = before.meta.decode_block_tables
+        if entries:
+            rows.write(*to_device([*entries, *blocks], torch.int64, self.device).split(len(entries)))
+            tables = rows.block_tables(len(seqs))
+        indices = last.indices + 1
+        meta = StepMetadata(rows.slots_at(indices), [], 0, tables, before.meta.decode_context_lens + 1, 0)
+        inputs = StepInputs(last.tokens, before.positions + 1, meta, before.logits_indices, before.sample_seqs,
+                            before.sample_rows, [], [])
+        self._decoded = _Decoded(last.decodes, inputs, indices)
+        return inputs
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's K/V; a destination listed twice takes its last source."""
@@ -222,6 +261,7 @@ class ModelRunner:
         self.backend.close()
         self.forward_path = EagerForward(self)
         self.decode_rows.clear()
+        self._decoded = self._advanced = None
 
 
 def _token_at(seq: Sequence, position: int) -> int:

@@ -36,6 +36,7 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    tokens: Tensor | None = None  # token_ids on the logits' device
 
 
 class Sampler:
@@ -54,7 +55,7 @@ class Sampler:
         """logits: [len(rows), vocab], any float dtype; `bitmask`: int32 [len(rows), words], the tokens each row
         may take (a grammar's), bit j of word i token 32 i + j."""
         tokens, batch = self._draw(logits, rows, bitmask, 0)
-        out = SamplerOutput(tokens.tolist())
+        out = SamplerOutput(tokens.tolist(), tokens=tokens)
         asked = [] if batch is None else [i for i, p in enumerate(batch.params) if p.logprobs is not None]
         if asked:
             idx = tensor_like(asked, torch.int64, tokens)
