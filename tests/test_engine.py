@@ -629,13 +629,17 @@ def test_a_step_after_one_token_each_schedules_what_the_loop_over_rows_does(tiny
         assert False in taken and any(preempted for _, _, preempted in steady[1])
 
 
-def _decode_inputs_check(runner: ModelRunner, inputs) -> None:
-    """A decode-only step's inputs as each row's sequence calls for: its last token at its last position, its
-    length, the slot of that position and its block table."""
+def _decode_inputs_check(runner: ModelRunner, inputs, ahead) -> None:
+    """A decode-only step's inputs as each row's sequence calls for: its next token (its last, or the one drawn
+    `ahead`) at the position after the tokens before it, its length, the slot of that position and its table."""
     seqs, bs = runner.decode_rows.seqs, runner.config.block_size
-    lengths = [len(seq.token_ids) for seq in seqs]
+    if ahead is None:
+        tokens, lengths = [seq.token_ids[-1] for seq in seqs], [len(seq.token_ids) for seq in seqs]
+    else:
+        drawn = dict(zip(ahead.seqs, ahead.tokens.tolist(), strict=True))
+        tokens, lengths = [drawn[seq] for seq in seqs], [len(seq.token_ids) + 1 for seq in seqs]
     meta = inputs.meta
-    assert inputs.input_ids.tolist() == [seq.token_ids[-1] for seq in seqs]
+    assert inputs.input_ids.tolist() == tokens
     assert inputs.positions.tolist() == [n - 1 for n in lengths]
     assert meta.decode_context_lens.tolist() == lengths and meta.decode_context_lens.dtype == torch.int32
     assert meta.slot_mapping.tolist() == [seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs
@@ -652,23 +656,29 @@ def _decode_inputs_check(runner: ModelRunner, inputs) -> None:
                          ids=["default", "admissions", "tiny-pool", "chunked", "overlap"])
 def test_a_step_laid_out_from_the_last_gives_what_its_sequences_call_for(tiny_checkpoint, monkeypatch,
                                                                           engine_args):
-    """A decode step after one in which each decode took a token lays itself out from the last step's tensors
-    (advanced on the device): each row's token, position, length, slot and table as its sequence says, with
-    requests finishing and admitted, tables growing, preemption, chunked prompts, penalties and sampled rows;
-    the outputs are those of steps laid out from the sequences."""
+    """A decode step after one in which each decode took a token (or drew it ahead) lays itself out from the last
+    step's tensors, advanced on the device: each row's token, position, length, slot and table as its sequence
+    says, with requests finishing and admitted, tables growing, preemption, chunked prompts, penalties and sampled
+    rows; the outputs are those of steps laid out from the sequences."""
     prompts = random_prompts([5, 30, 9, 17, 3, 12, 5], seed=9)
     prompts[-1] = prompts[0]  # the prefix cache shares its block
     lengths, temperatures = [20, 7, 33, 12, 26, 9, 14], [0, 1, 0, 1.3, 0, 0.7, 0]
     params = [SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=[i + 1], temperature=t, seed=i,
-                             repetition_penalty=1.2 if i == 2 else 1.0)
+                             repetition_penalty=1.2 if i == 2 and "overlap" not in engine_args else 1.0)
               for i, (m, t) in enumerate(zip(lengths, temperatures, strict=True))]
-    advance = ModelRunner._advance
-    advanced = []
+    prepare, advance = ModelRunner.prepare, ModelRunner._advance
+    advanced, drawn_ahead = [], []
 
-    def checked(self, last):
-        inputs = advance(self, last)
-        _decode_inputs_check(self, inputs)
-        advanced.append(len(inputs.sample_seqs))
+    def through_advance(self, last):
+        advanced.append(last)
+        return advance(self, last)
+
+    def checked(self, chunks, decodes=(), ahead=None):
+        before = len(advanced)
+        inputs = prepare(self, chunks, decodes, ahead)
+        if len(advanced) > before:
+            _decode_inputs_check(self, inputs, ahead)
+            drawn_ahead.append(ahead is not None)
         return inputs
 
     def run() -> list:
@@ -677,8 +687,10 @@ def test_a_step_laid_out_from_the_last_gives_what_its_sequences_call_for(tiny_ch
             assert_all_free(llm)
             return outs
 
-    monkeypatch.setattr(ModelRunner, "_advance", checked)
+    monkeypatch.setattr(ModelRunner, "prepare", checked)
+    monkeypatch.setattr(ModelRunner, "_advance", through_advance)
     outs = run()
-    assert len(advanced) > 10
+    assert len(advanced) > 10 and any(drawn_ahead) == ("overlap" in engine_args)
     monkeypatch.setattr(ModelRunner, "took_tokens", lambda self, tokens: None)
+    monkeypatch.setattr(ModelRunner, "_decoded", property(lambda self: None, lambda self, value: None), raising=False)
     assert outs == run()

@@ -112,7 +112,7 @@ class Engine:
         self.runner.copy_blocks(batch.copies)
         if self.speculator is not None:
             self.speculator.draft(batch, self.scheduler.max_num_batched_tokens)
-        ahead = None if before is None else Ahead(before.drawn.tensor, {seq: i for i, seq in enumerate(before.seqs)})
+        ahead = None if before is None else Ahead(before.drawn.tensor, before.seqs)
         inputs = self.runner.prepare(batch.chunks, batch.decodes, ahead)
         step = Step(batch, inputs, self.runner.run(inputs), list(inputs.sample_seqs), list(inputs.sample_rows))
         if self.config.overlapped and self._draws_ahead(step):

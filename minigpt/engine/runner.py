@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import add, attrgetter, itemgetter, sub
 from typing import Protocol
@@ -32,10 +32,10 @@ def num_sample_rows(seq: Sequence) -> int:
 
 @dataclass
 class Ahead:
-    """Tokens a step has drawn and not read yet, that the next step decodes: `rows[seq]` is seq's in `tokens`."""
+    """Tokens a step has drawn and not read yet, that the next step decodes: `tokens[i]` is `seqs[i]`'s."""
 
     tokens: torch.Tensor  # [R] int64, on the device
-    rows: dict[Sequence, int]
+    seqs: list[Sequence]
 
 
 @dataclass
@@ -145,7 +145,9 @@ class ModelRunner:
         if ahead is not None and chunks:
             raise ValueError("a step laid out ahead decodes only: its chunks' tokens are all known")
         advanced, self._advanced = self._advanced, None
-        if advanced is not None and not chunks and ahead is None and decodes == advanced.decodes:
+        if ahead is not None and self._decoded is not None and ahead.seqs == self._decoded.inputs.sample_seqs:
+            advanced = replace(self._decoded, tokens=ahead.tokens)
+        if advanced is not None and not chunks and decodes == advanced.decodes:
             return self._advance(advanced)
         bs = self.config.block_size
         prefills = list(chunks)
@@ -187,7 +189,7 @@ class ModelRunner:
         if ahead is None:
             ids += map(itemgetter(-1), token_ids)
         else:
-            ids += map(ahead.rows.__getitem__, decodes)
+            ids += map({seq: i for i, seq in enumerate(ahead.seqs)}.__getitem__, decodes)
             lens = list(map(add, lens, repeat(1)))
         positions += map(sub, lens, repeat(1))
         slot_indices = self.decode_rows.slot_indices(positions[num_prefill:])
