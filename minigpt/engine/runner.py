@@ -107,8 +107,7 @@ class ModelRunner:
         self.forward_path: ForwardPath = EagerForward(self)
         self.decode_rows = DecodeRows(config.max_num_seqs, -(-model.config.n_positions // config.block_size),
                                       config.block_size, self.device)
-        self._decoded: _Decoded | None = None  # the last step's, when it only decoded; advanced: once it took tokens
-        self._advanced: _Decoded | None = None
+        self._decoded: _Decoded | None = None  # the last step's, when it only decoded
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", self.pool.num_blocks, config.block_size,
             self.pool.num_tokens, self.pool.nbytes / 2**20, str(kv_dtype).removeprefix("torch."),
@@ -144,11 +143,11 @@ class ModelRunner:
         one past its `token_ids`."""
         if ahead is not None and chunks:
             raise ValueError("a step laid out ahead decodes only: its chunks' tokens are all known")
-        advanced, self._advanced = self._advanced, None
-        if ahead is not None and self._decoded is not None and ahead.seqs == self._decoded.inputs.sample_seqs:
-            advanced = replace(self._decoded, tokens=ahead.tokens)
-        if advanced is not None and not chunks and decodes == advanced.decodes:
-            return self._advance(advanced)
+        last, self._decoded = self._decoded, None
+        if ahead is not None and last is not None and ahead.seqs == last.inputs.sample_seqs:
+            last = replace(last, tokens=ahead.tokens)
+        if last is not None and last.tokens is not None and not chunks and decodes == last.decodes:
+            return self._advance(last)
         bs = self.config.block_size
         prefills = list(chunks)
         fresh = [chunk for seq, chunk in prefills if seq.num_computed_tokens == 0] if self.batched_prefill else []
@@ -228,7 +227,6 @@ class ModelRunner:
         """Each decode of the last step took its token in `tokens` (rows' order), and nothing else changed."""
         if self._decoded is not None:
             self._decoded.tokens = tokens
-            self._advanced = self._decoded
 
     def _advance(self, last: _Decoded) -> StepInputs:
         """`last`'s decodes a token further: its tensors advanced on the device; grown tables' entries the one copy."""
@@ -263,7 +261,7 @@ class ModelRunner:
         self.backend.close()
         self.forward_path = EagerForward(self)
         self.decode_rows.clear()
-        self._decoded = self._advanced = None
+        self._decoded = None
 
 
 def _token_at(seq: Sequence, position: int) -> int:
